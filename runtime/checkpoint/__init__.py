@@ -1,0 +1,1 @@
+"""Reading HF-layout checkpoints (config, safetensors, quant metadata) into a build."""

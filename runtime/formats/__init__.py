@@ -1,0 +1,1 @@
+"""Exact codecs of the expert weight and activation formats (docs/runtime.md, "Run formats")."""
