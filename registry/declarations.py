@@ -1,0 +1,339 @@
+"""Model declaration files (`registry/models/<model>.toml`): typed, validated, located (file:line).
+
+One file per model: its architecture family and HF-style config (each number's source in a comment),
+its checkpoints' quant metadata, its drafts, policies, parallel profiles and targets. Every error
+names the file, the line and the field, and says how to fix it. Cross-entry rules that need the
+implementation registry (TG2) run after the per-field checks.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from registry.eligibility import Deployment
+from registry.errors import DeclarationError, MoegenError
+from registry.families import FAMILIES, FamilySpec
+from registry.formats import CheckpointQuant, expert_format
+from registry.impls import AUTO, Registry, load_registry
+from registry.model import DRAFT_KINDS, SPEC_MODES, DraftFacts, ModelFacts, MoeSite
+from registry.model_resolve import ANY, Honored
+from registry.parallel import NAME_RE, Layout, parse_layout
+from registry.selection import Selection, check_selection
+from registry.toml_lines import line_of
+
+MODELS_DIR = Path(__file__).with_name("models")
+TOKEN = r"^[a-z][a-z0-9_]*$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Strict):
+    name: str = Field(pattern=TOKEN)
+    family: str
+    doc: str = Field(min_length=1)
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, value: str) -> str:
+        if value not in FAMILIES:
+            raise ValueError(f"unknown family {value!r}; families: {', '.join(FAMILIES)}")
+        return value
+
+
+class Policies(_Strict):
+    default_routed_format: str | None = None          # FN1, a quant algorithm such as "MXFP4"
+    excluded_layers: Literal["tactic", "backend"] = "tactic"   # FN5
+
+
+class CheckpointDecl(_Strict):
+    name: str = Field(pattern=TOKEN)
+    doc: str = ""
+    quant_algo: str | None = None
+    exclude_modules: tuple[str, ...] = ()
+    quantized_layers: dict[str, str] = Field(default_factory=dict)
+
+    def quant(self) -> CheckpointQuant:
+        return CheckpointQuant(self.quant_algo, self.exclude_modules, tuple(sorted(self.quantized_layers.items())))
+
+
+class DraftDecl(_Strict):
+    name: str = Field(pattern=TOKEN)
+    kind: Literal["embedded_mtp", "replacement_mtp", "external", "eagle3", "draft_stages"]
+    modes: tuple[str, ...] = Field(min_length=1)
+    doc: str = ""
+    vanilla_with_target: bool = False                   # DR5
+    num_layers: int | None = Field(default=None, ge=0)  # draft stages / replacement heads
+    experts_prefix: str | None = None                   # "{k}" = draft layer number
+    family: str | None = None                           # external / eagle3: the drafter's own family
+    config: dict[str, Any] | None = None                # ... and its own config
+    checkpoint: CheckpointDecl | None = None            # own quant metadata (external, replacement_mtp)
+
+    @field_validator("modes")
+    @classmethod
+    def _known_modes(cls, value):
+        bad = [m for m in value if m not in SPEC_MODES]
+        if bad:
+            raise ValueError(f"unknown speculative modes {bad}; modes: {', '.join(SPEC_MODES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _needs(self):
+        if self.kind in ("external", "replacement_mtp") and self.checkpoint is None:
+            raise ValueError(f"a {self.kind} draft has its own checkpoint: add [drafts.checkpoint] with its quant metadata")
+        if self.kind == "draft_stages" and (self.num_layers is None or self.experts_prefix is None):
+            raise ValueError("draft stages need num_layers and experts_prefix (with '{k}' for the stage number)")
+        if self.kind == "external" and (self.family is None or self.config is None):
+            raise ValueError("an external drafter needs its own family and config")
+        if self.family is not None and self.family not in FAMILIES:
+            raise ValueError(f"unknown family {self.family!r}; families: {', '.join(FAMILIES)}")
+        return self
+
+
+class ProfileDecl(_Strict):
+    tp: int = Field(ge=1)
+    moe_tp: int = Field(ge=1)
+    ep: int = Field(ge=1)
+    dp: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _covers(self):
+        if self.moe_tp * self.ep != self.tp * self.dp:
+            raise ValueError(f"moe_tp x ep = {self.moe_tp * self.ep} must equal tp x dp = {self.tp * self.dp}")
+        return self
+
+
+class SelectionDecl(_Strict):
+    backend: str = AUTO
+    tactic: str | None = None
+    eplb: bool = False
+    spec_mode: str | None = None
+    draft_backend: str | None = None
+    draft_tactic: str | None = None
+
+    def selection(self) -> Selection:
+        return Selection(**self.model_dump())
+
+
+class TargetDecl(_Strict):
+    checkpoint: str
+    sm: int = Field(ge=10, le=999)
+    parallel: str = Field(pattern=NAME_RE.pattern)
+    doc: str = ""
+    moe_impls_honored: tuple[str, ...] | Literal["*"] | None = None
+    draft_moe_impls_honored: tuple[str, ...] | Literal["*"] | None = None
+    selection: SelectionDecl = SelectionDecl()
+
+    @property
+    def name(self) -> str:
+        return f"{self.checkpoint}__sm_{self.sm}__{self.parallel}"
+
+    def honored(self, draft: bool = False) -> Honored:
+        value = self.draft_moe_impls_honored if draft else self.moe_impls_honored
+        if value is None or value == ANY:
+            return value
+        return frozenset(value)
+
+
+class Declaration(_Strict):
+    model: ModelSection
+    config: dict[str, Any]
+    policies: Policies = Policies()
+    checkpoints: tuple[CheckpointDecl, ...] = Field(min_length=1)
+    drafts: tuple[DraftDecl, ...] = ()
+    parallel_profiles: dict[str, ProfileDecl] = Field(default_factory=dict)
+    targets: tuple[TargetDecl, ...] = ()
+
+    @property
+    def family(self) -> FamilySpec:
+        return FAMILIES[self.model.family]
+
+    def checkpoint(self, name: str) -> CheckpointDecl:
+        return next(c for c in self.checkpoints if c.name == name)
+
+    def layout(self, parallel: str) -> Layout:
+        profiles = {k: Layout(p.tp, p.moe_tp, p.ep, p.dp) for k, p in self.parallel_profiles.items()}
+        return parse_layout(parallel, profiles)
+
+    def facts(self, checkpoint: str | None = None) -> ModelFacts:
+        """The model as the selection rules see it, for one of its checkpoints (default: the first)."""
+        ckpt = self.checkpoint(checkpoint) if checkpoint else self.checkpoints[0]
+        family = self.family
+        quant = ckpt.quant()
+        default = self.policies.default_routed_format
+        sites = tuple(
+            MoeSite(i, family.experts_module(i), expert_format(quant, family.experts_module(i), family.expert_members, default))
+            for i in family.moe_layers(self.config)
+        )
+        return ModelFacts(
+            model=self.model.name,
+            family=family.name,
+            checkpoint=ckpt.name,
+            shape=family.shape(self.config),
+            sites=sites,
+            excluded_layers=self.policies.excluded_layers,
+            drafts=tuple(self._draft_facts(d, quant) for d in self.drafts),
+        )
+
+    def _draft_facts(self, draft: DraftDecl, target_quant: CheckpointQuant) -> DraftFacts:
+        family = self.family
+        if draft.kind in ("external", "eagle3") and draft.config is not None:
+            own = FAMILIES[draft.family or family.name]
+            quant = draft.checkpoint.quant() if draft.checkpoint else CheckpointQuant()
+            modules = [own.experts_module(i) for i in own.moe_layers(draft.config)]
+            members, shape, layers = own.expert_members, own.shape(draft.config), own.moe_layers(draft.config)
+        elif draft.kind == "eagle3":
+            return DraftFacts(draft.name, draft.kind, draft.modes, (), None, draft.vanilla_with_target)
+        else:
+            quant = draft.checkpoint.quant() if draft.checkpoint else target_quant
+            count = draft.num_layers if draft.num_layers is not None else family.num_draft_layers(self.config)
+            base = self.config["num_hidden_layers"]
+            if draft.experts_prefix:
+                modules = [draft.experts_prefix.format(k=k, layer=base + k) for k in range(count)]
+            else:
+                modules = [family.draft_experts_module(self.config, k) for k in range(count)]
+            members, shape, layers = family.expert_members, family.shape(self.config), tuple(base + k for k in range(count))
+        sites = tuple(MoeSite(layer, m, expert_format(quant, m, members)) for layer, m in zip(layers, modules))
+        return DraftFacts(draft.name, draft.kind, draft.modes, sites, shape, draft.vanilla_with_target)
+
+    @model_validator(mode="after")
+    def _cross_checks(self):
+        missing = [k for k in self.family.required if k not in self.config]
+        if missing:
+            raise ValueError(f"[config] lacks {', '.join(missing)}, which family {self.family.name} needs")
+        names = [c.name for c in self.checkpoints]
+        if len(set(names)) != len(names):
+            raise ValueError(f"checkpoint names repeat: {names}")
+        seen = set()
+        for n, target in enumerate(self.targets):
+            if target.checkpoint not in names:
+                raise _FieldError(("targets", n, "checkpoint"), f"checkpoint {target.checkpoint!r} is not declared; declared: {', '.join(names)}")
+            if target.name in seen:
+                raise _FieldError(("targets", n), f"target {target.name} is declared twice")
+            seen.add(target.name)
+            try:
+                self.layout(target.parallel)
+            except MoegenError as exc:
+                raise _FieldError(("targets", n, "parallel"), str(exc)) from None
+        return self
+
+
+class _FieldError(ValueError):
+    """A cross-entry error that knows which field it is about (for file:line)."""
+
+    def __init__(self, loc: tuple, message: str):
+        super().__init__(message)
+        self.loc = loc
+
+
+def _fix_hint(error: dict) -> str:
+    kind = error["type"]
+    if kind == "missing":
+        return "add it"
+    if kind == "extra_forbidden":
+        return "remove it or fix its spelling"
+    return "fix the value"
+
+
+def load_declaration(path: Path, registry: Registry | None = None, display: str | None = None) -> Declaration:
+    """Read, validate and cross-check one declaration file; errors name file:line and field."""
+    shown = display or str(path)
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise DeclarationError(f"{shown}: not valid TOML: {exc}") from None
+    try:
+        decl = Declaration.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = tuple(first["loc"])
+        original = first.get("ctx", {}).get("error")
+        if isinstance(original, _FieldError):
+            loc = original.loc
+            message = str(original)
+        else:
+            message = first["msg"].removeprefix("Value error, ")
+            message = f"{message}; {_fix_hint(first)}" if first["type"] in ("missing", "extra_forbidden") else message
+        dotted = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
+        raise DeclarationError(f"{shown}:{line_of(text, loc)}: {dotted or '(file)'}: {message}") from None
+    _check_against_registry(decl, text, shown, registry or load_registry())
+    stem = path.stem
+    if decl.model.name != stem:
+        raise DeclarationError(f"{shown}:{line_of(text, ('model', 'name'))}: model.name: {decl.model.name!r} must equal the file name {stem!r}")
+    return decl
+
+
+def _check_against_registry(decl: Declaration, text: str, shown: str, registry: Registry) -> None:
+    """TG2: each honored id exists and runs on the target's SM in one of its layers' formats; declared
+    selections pass the parse-time checks (TA2, TA4, RQ1, RQ4)."""
+    for n, target in enumerate(decl.targets):
+        facts = decl.facts(target.checkpoint)
+        for side, value in (("moe_impls_honored", target.moe_impls_honored), ("draft_moe_impls_honored", target.draft_moe_impls_honored)):
+            if value is None or value == ANY:
+                continue
+            formats = _side_formats(facts, side == "draft_moe_impls_honored", target.sm, registry)
+            for k, impl_id in enumerate(value):
+                where = f"{shown}:{line_of(text, ('targets', n, side, k))}: targets[{n}].{side}"
+                impl = registry.by_id.get(impl_id)
+                if impl is None:
+                    raise DeclarationError(f"{where}: {impl_id!r} is not a registered implementation id; see `python -m codegen catalog` (RULES TG2)")
+                if not impl.runs_on(target.sm) or impl.format not in formats:
+                    raise DeclarationError(
+                        f"{where}: {impl_id} is not eligible on sm_{target.sm} for any of this target's "
+                        f"{'draft ' if side.startswith('draft') else ''}layer formats ({', '.join(sorted(formats)) or 'none'}); "
+                        "list an implementation that can serve them (RULES TG2)"
+                    )
+        try:
+            check_selection(target.selection.selection(), registry)
+        except MoegenError as exc:
+            raise DeclarationError(f"{shown}:{line_of(text, ('targets', n, 'selection'))}: targets[{n}].selection: {exc}") from None
+
+
+def _side_formats(facts: ModelFacts, draft: bool, sm: int, registry: Registry) -> set[str]:
+    """Every run format a side's layers can run as on this SM (an MXFP4 layer: any of the SM's)."""
+    sites = [s for d in facts.drafts for s in d.sites] if draft else list(facts.sites)
+    formats = set()
+    for site in sites:
+        if site.format.format == "mxfp4":
+            formats |= set(registry.mxfp4_preference(sm) or ())
+        else:
+            formats.add(site.format.format)
+    return formats
+
+
+def load_models(models_dir: Path | None = None, registry: Registry | None = None) -> dict[str, Declaration]:
+    """Every declaration: the project's own, then a user's `--models DIR` (a name in both is an error)."""
+    registry = registry or load_registry()
+    decls: dict[str, Declaration] = {}
+    dirs = [MODELS_DIR] + ([models_dir] if models_dir else [])
+    for directory in dirs:
+        if not directory.is_dir():
+            raise DeclarationError(f"--models {directory}: not a folder of declaration files")
+        for path in sorted(directory.glob("*.toml")):
+            display = f"registry/models/{path.name}" if directory == MODELS_DIR else str(path)
+            decl = load_declaration(path, registry, display)
+            if decl.model.name in decls:
+                raise DeclarationError(f"{display}: model {decl.model.name!r} is already declared by the project; rename it")
+            decls[decl.model.name] = decl
+    return decls
+
+
+def find_model(name: str, decls: dict[str, Declaration]) -> Declaration:
+    if name not in decls:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(decls), n=3)
+        hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""
+        raise DeclarationError(f"unknown model {name!r}; {hint}models: {', '.join(sorted(decls))}")
+    return decls[name]
+
+
+def deployment_for(decl: Declaration, target: TargetDecl, eplb: bool = False) -> Deployment:
+    layout = decl.layout(target.parallel)
+    return Deployment(sm=target.sm, moe_tp=layout.moe_tp, ep=layout.ep, eplb=eplb)

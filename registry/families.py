@@ -1,0 +1,199 @@
+"""Architecture families: where a family keeps its MoE layers and what each layer asks of an implementation.
+
+Pure functions of a declaration's HF-style `config` table. `runtime` says whether the runtime can
+build the family; a declaration of another family still resolves and explains (its layers are data),
+but no build is generated for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+Config = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """What an implementation sees of one MoE layer (the shape part of an eligibility problem)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    activation: str
+    expert_bias: bool
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    name: str
+    runtime: bool
+    architectures: tuple[str, ...]          # config.json "architectures" values it reads
+    required: tuple[str, ...]               # config keys a declaration must give
+    experts_prefix: str                     # "{layer}" = decoder layer index
+    draft_experts_prefix: str | None        # "{layer}" = absolute index, "{k}" = draft layer number
+    expert_members: tuple[str, ...]         # module names under the prefix, for exclusion patterns
+    moe_layers: Callable[[Config], tuple[int, ...]]
+    num_draft_layers: Callable[[Config], int]
+    shape: Callable[[Config], MoeShape]
+
+    def experts_module(self, layer: int) -> str:
+        return self.experts_prefix.format(layer=layer)
+
+    def draft_experts_module(self, config: Config, k: int) -> str:
+        assert self.draft_experts_prefix is not None
+        return self.draft_experts_prefix.format(layer=config["num_hidden_layers"] + k, k=k)
+
+
+def _every_layer(config: Config) -> tuple[int, ...]:
+    return tuple(range(config["num_hidden_layers"]))
+
+
+def _after_dense(config: Config) -> tuple[int, ...]:
+    freq = config.get("moe_layer_freq", 1)
+    first = config["first_k_dense_replace"]
+    return tuple(i for i in range(config["num_hidden_layers"]) if i >= first and i % freq == 0)
+
+
+def _sparse_step(config: Config) -> tuple[int, ...]:
+    step = config.get("decoder_sparse_step", 1)
+    dense = set(config.get("mlp_only_layers", []))
+    return tuple(i for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+
+
+def _pattern(config: Config) -> tuple[int, ...]:
+    return tuple(i for i, kind in enumerate(config["hybrid_override_pattern"]) if kind == "E")
+
+
+def _shape(experts: str, inter: str, activation: str = "silu_glu", bias: bool = False):
+    def shape(config: Config) -> MoeShape:
+        return MoeShape(
+            hidden_size=config["hidden_size"],
+            intermediate_size=config[inter],
+            num_experts=config[experts],
+            top_k=config["num_experts_per_tok"],
+            activation=activation,
+            expert_bias=bias,
+        )
+
+    return shape
+
+
+def _key(name: str) -> Callable[[Config], int]:
+    return lambda config: config.get(name, 0)
+
+
+_PER_EXPERT = ("0.gate_proj", "0.up_proj", "0.down_proj")
+_W123 = ("0.w1", "0.w2", "0.w3")
+_BASE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_experts_per_tok")
+
+FAMILIES: dict[str, FamilySpec] = {
+    spec.name: spec
+    for spec in (
+        FamilySpec(
+            name="deepseek_v3",
+            runtime=True,
+            architectures=("DeepseekV3ForCausalLM",),
+            required=_BASE + ("moe_intermediate_size", "n_routed_experts", "first_k_dense_replace"),
+            experts_prefix="model.layers.{layer}.mlp.experts",
+            draft_experts_prefix="model.layers.{layer}.mlp.experts",
+            expert_members=_PER_EXPERT,
+            moe_layers=_after_dense,
+            num_draft_layers=_key("num_nextn_predict_layers"),
+            shape=_shape("n_routed_experts", "moe_intermediate_size"),
+        ),
+        FamilySpec(
+            name="glm4_moe",
+            runtime=True,
+            architectures=("Glm4MoeForCausalLM",),
+            required=_BASE + ("moe_intermediate_size", "n_routed_experts", "first_k_dense_replace"),
+            experts_prefix="model.layers.{layer}.mlp.experts",
+            draft_experts_prefix="model.layers.{layer}.mlp.experts",
+            expert_members=_PER_EXPERT,
+            moe_layers=_after_dense,
+            num_draft_layers=_key("num_nextn_predict_layers"),
+            shape=_shape("n_routed_experts", "moe_intermediate_size"),
+        ),
+        FamilySpec(
+            name="qwen3_moe",
+            runtime=True,
+            architectures=("Qwen3MoeForCausalLM",),
+            required=_BASE + ("moe_intermediate_size", "num_experts"),
+            experts_prefix="model.layers.{layer}.mlp.experts",
+            draft_experts_prefix=None,
+            expert_members=_PER_EXPERT,
+            moe_layers=_sparse_step,
+            num_draft_layers=lambda config: 0,
+            shape=_shape("num_experts", "moe_intermediate_size"),
+        ),
+        FamilySpec(
+            name="mixtral",
+            runtime=True,
+            architectures=("MixtralForCausalLM",),
+            required=_BASE + ("intermediate_size", "num_local_experts"),
+            experts_prefix="model.layers.{layer}.block_sparse_moe.experts",
+            draft_experts_prefix=None,
+            expert_members=_W123,
+            moe_layers=_every_layer,
+            num_draft_layers=lambda config: 0,
+            shape=_shape("num_local_experts", "intermediate_size"),
+        ),
+        FamilySpec(
+            name="gpt_oss",
+            runtime=True,
+            architectures=("GptOssForCausalLM",),
+            required=_BASE + ("intermediate_size", "num_local_experts"),
+            experts_prefix="model.layers.{layer}.mlp.experts",
+            draft_experts_prefix=None,
+            expert_members=("gate_up_proj", "down_proj"),
+            moe_layers=_every_layer,
+            num_draft_layers=lambda config: 0,
+            shape=_shape("num_local_experts", "intermediate_size", activation="swiglu_oai", bias=True),
+        ),
+        FamilySpec(
+            name="minimax_m2",
+            runtime=True,
+            architectures=("MiniMaxM2ForCausalLM",),
+            required=_BASE + ("intermediate_size", "num_local_experts"),
+            experts_prefix="model.layers.{layer}.block_sparse_moe.experts",
+            # MTP modules: one transformer layer each (research §2, num_mtp_modules); the module
+            # path is assumed, no public checkpoint index was available.
+            draft_experts_prefix="model.mtp_modules.{k}.block_sparse_moe.experts",
+            expert_members=_W123,
+            moe_layers=_every_layer,
+            num_draft_layers=_key("num_mtp_modules"),
+            shape=_shape("num_local_experts", "intermediate_size"),
+        ),
+        FamilySpec(
+            name="qwen3_next",
+            runtime=False,
+            architectures=("Qwen3NextForCausalLM",),
+            required=_BASE + ("moe_intermediate_size", "num_experts"),
+            experts_prefix="model.layers.{layer}.mlp.experts",
+            draft_experts_prefix="mtp.layers.{k}.mlp.experts",
+            expert_members=_PER_EXPERT,
+            moe_layers=_sparse_step,
+            num_draft_layers=_key("mtp_num_hidden_layers"),
+            shape=_shape("num_experts", "moe_intermediate_size"),
+        ),
+        FamilySpec(
+            name="nemotron_h",
+            runtime=False,
+            architectures=("NemotronHForCausalLM",),
+            required=_BASE + ("moe_intermediate_size", "n_routed_experts", "hybrid_override_pattern"),
+            experts_prefix="backbone.layers.{layer}.mixer.experts",
+            draft_experts_prefix="mtp.layers.{k}.mixer.experts",
+            expert_members=("0.up_proj", "0.down_proj"),
+            moe_layers=_pattern,
+            num_draft_layers=_key("num_nextn_predict_layers"),
+            shape=_shape("n_routed_experts", "moe_intermediate_size", activation="relu2"),
+        ),
+    )
+}
+
+RUNTIME_FAMILIES = tuple(name for name, spec in FAMILIES.items() if spec.runtime)
+
+
+def family_for_architecture(architecture: str) -> FamilySpec | None:
+    return next((f for f in FAMILIES.values() if architecture in f.architectures), None)

@@ -1,0 +1,123 @@
+"""Expert formats: what each MoE layer holds (RULES FN1) and what an MXFP4 layer runs as (FN2).
+
+A checkpoint's quant metadata names algorithms (`NVFP4`, `MIXED_PRECISION`, ...); a layer's
+*checkpoint format* is what its expert tensors are. An MXFP4 checkpoint can run as several *run
+formats* (W4A16, W4A8 with FP8 or MXFP8 activations): which one is a property of the target SM and of
+the implementations the request can use, never of the checkpoint.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+from registry.errors import ResolutionError
+from registry.impls import MXFP4_RUN_FORMATS, Impl, Registry
+
+MIXED_PRECISION = "MIXED_PRECISION"
+
+# quant_algo as metadata writes it -> the expert tensors' format. FP8_BLOCK_SCALES is the DeepSeek
+# form (`quant_method: fp8` with `weight_block_size`); MXFP4 covers gpt-oss's `quant_method: mxfp4`.
+CHECKPOINT_ALGOS = {
+    "FP8_BLOCK_SCALES": "fp8_block_scales",
+    "NVFP4": "nvfp4",
+    "W4A16_NVFP4": "w4a16_nvfp4",
+    "MXFP4": "mxfp4",
+    "W4A16_MXFP4": "mxfp4",
+}
+
+
+def algo_format(algo: str) -> str:
+    """The checkpoint format of a quant algorithm; unknown algorithms keep their own (lowercase) name,
+    which no implementation serves, so they fail at resolution with the list of what exists."""
+    return CHECKPOINT_ALGOS.get(algo.upper(), algo.lower())
+
+
+@dataclass(frozen=True)
+class CheckpointQuant:
+    """A checkpoint's quant metadata as FN1 reads it (from hf_quant_config.json or quantization_config)."""
+
+    quant_algo: str | None = None                       # None: unquantized
+    exclude_modules: tuple[str, ...] = ()               # fnmatch patterns
+    quantized_layers: tuple[tuple[str, str], ...] = ()  # module name or pattern -> algorithm
+
+
+@dataclass(frozen=True)
+class LayerFormat:
+    """One MoE layer's checkpoint format and why (FN1)."""
+
+    format: str
+    source: str
+    excluded: bool  # bf16 because the checkpoint leaves these experts unquantized while quantizing others
+
+
+def expert_format(
+    quant: CheckpointQuant,
+    module: str,
+    members: tuple[str, ...],
+    default_routed: str | None = None,
+) -> LayerFormat:
+    """FN1: global algorithm (or the model's default routed format), then exclusions, then entries.
+
+    `module` is the experts' module path; `members` are names under it (e.g. `0.gate_proj`) that a
+    pattern may name instead of the prefix itself.
+    """
+    names = (module,) + tuple(f"{module}.{m}" for m in members)
+    for key, algo in quant.quantized_layers:
+        if any(fnmatch.fnmatchcase(n, key) for n in names):
+            return LayerFormat(algo_format(algo), f"per-layer entry {key!r}: {algo}", excluded=False)
+    mixed = (quant.quant_algo or "").upper() == MIXED_PRECISION
+    if default_routed is not None:
+        start = (algo_format(default_routed), f"model default routed format {default_routed}")
+    elif quant.quant_algo and not mixed:
+        start = (algo_format(quant.quant_algo), f"checkpoint quant_algo {quant.quant_algo}")
+    elif mixed:
+        return LayerFormat("bf16", "not listed under MIXED_PRECISION: unquantized", excluded=True)
+    else:
+        return LayerFormat("bf16", "unquantized checkpoint", excluded=False)
+    for pattern in quant.exclude_modules:
+        if any(fnmatch.fnmatchcase(n, pattern) for n in names):
+            return LayerFormat("bf16", f"excluded from quantization by {pattern!r}", excluded=True)
+    return LayerFormat(*start, excluded=False)
+
+
+def publishes(impl: Impl, candidates: tuple[Impl, ...], sm: int, registry: Registry) -> bool:
+    """Whether an implementation's format counts as published for FN2 on this SM.
+
+    A family that never degrades (VANILLA) counts only when the request holds nothing else, so an
+    emulation never picks the run format; an implementation publishes only on SMs it runs on.
+    """
+    if not impl.runs_on(sm):
+        return False
+    if registry.family(impl.family).never_degrades:
+        return all(registry.family(c.family).never_degrades for c in candidates)
+    return True
+
+
+def mxfp4_run_format(candidates: tuple[Impl, ...], sm: int, registry: Registry, asked: str) -> str:
+    """FN2: the SM's most preferred MXFP4 run format that the request's implementations publish.
+
+    `asked` names the request in messages (e.g. "moe_config.tactic 'bf16'").
+    """
+    preference = registry.mxfp4_preference(sm)
+    if preference is None:
+        raise ResolutionError(
+            f"no MXFP4 run formats are declared for sm_{sm}; add sm {sm} to [mxfp4_run_formats] in "
+            f"{registry.source} (RULES FN2)"
+        )
+    published = {c.format for c in candidates if c.format in MXFP4_RUN_FORMATS and publishes(c, candidates, sm, registry)}
+    for fmt in preference:
+        if fmt in published:
+            return fmt
+    raise ResolutionError(
+        f"{asked} names no MXFP4 run format that runs on sm_{sm}: the MXFP4 experts need one of "
+        f"{', '.join(preference)} (RULES FN2)"
+    )
+
+
+def run_format(checkpoint_format: str, candidates: tuple[Impl, ...], sm: int, registry: Registry, asked: str) -> tuple[str, str]:
+    """The format a layer runs as, and a short note of why (shown by `explain`)."""
+    if checkpoint_format == "mxfp4":
+        fmt = mxfp4_run_format(candidates, sm, registry, asked)
+        return fmt, f"MXFP4 checkpoint, sm_{sm} preference"
+    return checkpoint_format, "checkpoint format"

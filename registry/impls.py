@@ -1,0 +1,284 @@
+"""The implementation registry: `impls.toml` loaded into frozen records and checked (RULES ID1-ID4).
+
+Standard library only, so that a generic build can resolve its layers where pydantic is absent.
+A broken entry is a bug in the registry, reported as a `RegistryError` naming the entry and field.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from registry.errors import RegistryError
+from registry.identity import FIELDS, ImplId
+
+DEFAULT_PATH = Path(__file__).with_name("impls.toml")
+
+# The run formats an implementation may serve (its quant segment), and the activation kinds a
+# capability may list. Closed sets: a new one is a deliberate change to the runtime and here.
+RUN_FORMATS = (
+    "bf16",
+    "fp8_block_scales",
+    "w4a16_mxfp4",
+    "w4a8_mxfp4_fp8",
+    "w4a8_mxfp4_mxfp8",
+    "w4a16_nvfp4",
+    "nvfp4",
+)
+MXFP4_RUN_FORMATS = ("w4a16_mxfp4", "w4a8_mxfp4_fp8", "w4a8_mxfp4_mxfp8")
+ACTIVATIONS = ("silu_glu", "swiglu_oai", "relu2")
+AUTO = "AUTO"
+
+_CAPABILITY_KEYS = (
+    "expert_bias",
+    "activations",
+    "router_weight_on_input",
+    "dynamic_eplb",
+    "expert_parallel",
+    "moe_tensor_parallel",
+)
+_CONSTRAINT_KEYS = ("hidden_multiple", "intermediate_multiple")
+_IMPL_KEYS = {"id", "family", "priority", "sms", "cpu", "class", "doc", "capabilities", "constraints"}
+_CLASS_PATH_RE = re.compile(r"^[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*:[A-Z][A-Za-z0-9]*$")
+_FAMILY_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    expert_bias: bool
+    activations: frozenset[str]
+    router_weight_on_input: bool
+    dynamic_eplb: bool
+    expert_parallel: bool
+    moe_tensor_parallel: bool
+
+
+@dataclass(frozen=True)
+class Constraints:
+    hidden_multiple: int
+    intermediate_multiple: int
+
+
+@dataclass(frozen=True)
+class Impl:
+    """One registered implementation (RULES ID4)."""
+
+    id: ImplId
+    family: str
+    priority: int
+    sms: frozenset[int]
+    cpu: bool
+    class_path: str
+    doc: str
+    capabilities: Capabilities
+    constraints: Constraints
+
+    @property
+    def format(self) -> str:
+        """The run format it serves: its quant segment (ID4)."""
+        return self.id.quant
+
+    @property
+    def class_name(self) -> str:
+        return self.class_path.split(":")[1]
+
+    @property
+    def module(self) -> str:
+        return self.class_path.split(":")[0]
+
+    def runs_on(self, sm: int) -> bool:
+        return sm in self.sms
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    doc: str
+    fallback: bool
+    never_degrades: bool
+
+
+@dataclass(frozen=True)
+class Registry:
+    """Every implementation in global priority order, the families, and the FN2 preference table."""
+
+    impls: tuple[Impl, ...]
+    families: tuple[Family, ...]
+    mxfp4_run_formats: tuple[tuple[int, tuple[str, ...]], ...]
+    source: str
+
+    @functools.cached_property
+    def by_id(self) -> dict[str, Impl]:
+        return {str(i.id): i for i in self.impls}
+
+    @functools.cached_property
+    def token_field(self) -> dict[str, str]:
+        """Every token of every id, mapped to the one field it names (ID2)."""
+        table: dict[str, str] = {}
+        for impl in self.impls:
+            for field in FIELDS:
+                table[impl.id.segment(field)] = field
+        return table
+
+    @functools.cached_property
+    def family_names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.families)
+
+    @property
+    def literals(self) -> tuple[str, ...]:
+        """The backend literals a selection may name: AUTO, then the families."""
+        return (AUTO,) + self.family_names
+
+    @functools.cached_property
+    def fallback_family(self) -> str:
+        return next(f.name for f in self.families if f.fallback)
+
+    def family(self, name: str) -> Family:
+        return next(f for f in self.families if f.name == name)
+
+    def impl(self, impl_id: str) -> Impl:
+        return self.by_id[impl_id]
+
+    def mxfp4_preference(self, sm: int) -> tuple[str, ...] | None:
+        return dict(self.mxfp4_run_formats).get(sm)
+
+    @property
+    def known_sms(self) -> tuple[int, ...]:
+        return tuple(sorted({sm for i in self.impls for sm in i.sms}))
+
+
+def load_registry_text(text: str, source: str = "registry/impls.toml") -> Registry:
+    """Parse and check a registry from TOML text (tests build synthetic registries this way)."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise RegistryError(f"{source}: not valid TOML: {exc}") from None
+    families = tuple(_family(source, name, body) for name, body in sorted(data.get("families", {}).items()))
+    if sum(f.fallback for f in families) != 1:
+        raise RegistryError(f"{source}: exactly one family must declare fallback = true")
+    family_names = {f.name for f in families}
+    impls = [_impl(source, n, body, family_names) for n, body in enumerate(data.get("impl", []))]
+    impls.sort(key=lambda i: i.priority)
+    _check_unique(source, impls)
+    _check_tokens_disjoint(source, impls)
+    table = _mxfp4_table(source, data.get("mxfp4_run_formats", {}))
+    return Registry(impls=tuple(impls), families=families, mxfp4_run_formats=table, source=source)
+
+
+@functools.lru_cache(maxsize=None)
+def load_registry(path: str | None = None) -> Registry:
+    """The registry in `path` (default: the project's `registry/impls.toml`), loaded once."""
+    target = Path(path) if path else DEFAULT_PATH
+    source = "registry/impls.toml" if path is None else str(path)
+    return load_registry_text(target.read_text(encoding="utf-8"), source)
+
+
+def _family(source: str, name: str, body: dict) -> Family:
+    where = f"{source}: family {name}"
+    if not _FAMILY_RE.match(name) or name == AUTO:
+        raise RegistryError(f"{where}: a family name is an upper-case backend literal other than AUTO (RULES ID4)")
+    unknown = set(body) - {"doc", "fallback", "never_degrades"}
+    if unknown:
+        raise RegistryError(f"{where}: unknown keys {sorted(unknown)}")
+    doc = body.get("doc", "")
+    if not isinstance(doc, str) or not doc.strip() or "\n" in doc:
+        raise RegistryError(f"{where}: doc must be one non-empty line")
+    return Family(name, doc, bool(body.get("fallback", False)), bool(body.get("never_degrades", False)))
+
+
+def _impl(source: str, index: int, body: dict, families: set[str]) -> Impl:
+    where = f"{source}: impl #{index + 1} ({body.get('id', '?')})"
+    missing = _IMPL_KEYS - set(body)
+    unknown = set(body) - _IMPL_KEYS
+    if missing or unknown:
+        raise RegistryError(f"{where}: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}")
+    try:
+        impl_id = ImplId.parse(body["id"])
+    except RegistryError as exc:
+        raise RegistryError(f"{where}: {exc}") from None
+    if body["id"] != str(impl_id):
+        raise RegistryError(f"{where}: ids are stored lowercase; write {str(impl_id)!r} (RULES ID1)")
+    if body["family"] not in families:
+        raise RegistryError(f"{where}: family {body['family']!r} is not declared; families: {sorted(families)}")
+    if impl_id.quant not in RUN_FORMATS:
+        raise RegistryError(f"{where}: quant {impl_id.quant!r} is not a run format; run formats: {list(RUN_FORMATS)}")
+    if not isinstance(body["priority"], int) or isinstance(body["priority"], bool):
+        raise RegistryError(f"{where}: priority must be an integer")
+    sms = body["sms"]
+    if not isinstance(sms, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in sms):
+        raise RegistryError(f"{where}: sms must be a list of SM numbers such as [90, 100]")
+    if not _CLASS_PATH_RE.match(body["class"]):
+        raise RegistryError(f"{where}: class must read 'package.module:ClassName'")
+    if not isinstance(body["doc"], str) or not body["doc"].strip() or "\n" in body["doc"]:
+        raise RegistryError(f"{where}: doc must be one non-empty line")
+    caps = body["capabilities"]
+    if set(caps) != set(_CAPABILITY_KEYS):
+        raise RegistryError(f"{where}: capabilities must set exactly {list(_CAPABILITY_KEYS)}")
+    bad = set(caps["activations"]) - set(ACTIVATIONS)
+    if bad:
+        raise RegistryError(f"{where}: unknown activation kinds {sorted(bad)}; known: {list(ACTIVATIONS)}")
+    cons = body["constraints"]
+    if set(cons) != set(_CONSTRAINT_KEYS) or not all(isinstance(v, int) and v >= 1 for v in cons.values()):
+        raise RegistryError(f"{where}: constraints must set {list(_CONSTRAINT_KEYS)} to positive integers")
+    return Impl(
+        id=impl_id,
+        family=body["family"],
+        priority=body["priority"],
+        sms=frozenset(sms),
+        cpu=bool(body["cpu"]),
+        class_path=body["class"],
+        doc=body["doc"],
+        capabilities=Capabilities(
+            expert_bias=bool(caps["expert_bias"]),
+            activations=frozenset(caps["activations"]),
+            router_weight_on_input=bool(caps["router_weight_on_input"]),
+            dynamic_eplb=bool(caps["dynamic_eplb"]),
+            expert_parallel=bool(caps["expert_parallel"]),
+            moe_tensor_parallel=bool(caps["moe_tensor_parallel"]),
+        ),
+        constraints=Constraints(**cons),
+    )
+
+
+def _check_unique(source: str, impls: list[Impl]) -> None:
+    seen: dict[str, Impl] = {}
+    priorities: dict[int, Impl] = {}
+    for impl in impls:
+        if str(impl.id) in seen:
+            raise RegistryError(f"{source}: duplicate implementation id {str(impl.id)!r} (RULES ID1)")
+        if impl.priority in priorities:
+            raise RegistryError(
+                f"{source}: {impl.id} and {priorities[impl.priority].id} share priority {impl.priority}; "
+                "the priority order is one global order (RULES ID4)"
+            )
+        seen[str(impl.id)] = impl
+        priorities[impl.priority] = impl
+
+
+def _check_tokens_disjoint(source: str, impls: list[Impl]) -> None:
+    owner: dict[str, str] = {}
+    for impl in impls:
+        for field in FIELDS:
+            token = impl.id.segment(field)
+            if owner.setdefault(token, field) != field:
+                raise RegistryError(
+                    f"{source}: token {token!r} is used as both {owner[token]} and {field}; "
+                    "a token names exactly one field (RULES ID2)"
+                )
+
+
+def _mxfp4_table(source: str, body: dict) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    rows = []
+    for key, formats in body.items():
+        if not key.isdigit():
+            raise RegistryError(f"{source}: mxfp4_run_formats key {key!r} must be an SM number")
+        bad = [f for f in formats if f not in MXFP4_RUN_FORMATS]
+        if bad or len(set(formats)) != len(formats) or not formats:
+            raise RegistryError(
+                f"{source}: mxfp4_run_formats.{key} must list distinct MXFP4 run formats from {list(MXFP4_RUN_FORMATS)}"
+            )
+        rows.append((int(key), tuple(formats)))
+    return tuple(sorted(rows))
