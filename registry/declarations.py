@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from registry.eligibility import Deployment
 from registry.errors import DeclarationError, MoegenError
 from registry.families import FAMILIES, FamilySpec
-from registry.formats import CheckpointQuant, expert_format
+from registry.formats import CHECKPOINT_ALGOS, CheckpointQuant, expert_format
 from registry.impls import AUTO, Registry, load_registry
 from registry.model import DRAFT_KINDS, SPEC_MODES, DraftFacts, ModelFacts, MoeSite
 from registry.model_resolve import ANY, Honored
@@ -49,6 +49,15 @@ class ModelSection(_Strict):
 class Policies(_Strict):
     default_routed_format: str | None = None          # FN1, a quant algorithm such as "MXFP4"
     excluded_layers: Literal["tactic", "backend"] = "tactic"   # FN5
+
+    @field_validator("default_routed_format")
+    @classmethod
+    def _known_format(cls, value):
+        """A model policy names a format moegen knows. (Fixed: a typo such as "MXFP5" was accepted and
+        surfaced only at resolution, as a format no implementation serves.)"""
+        if value is not None and value.upper() not in CHECKPOINT_ALGOS:
+            raise ValueError(f"unknown expert format {value!r}; known: {', '.join(CHECKPOINT_ALGOS)}")
+        return value
 
 
 class CheckpointDecl(_Strict):
@@ -85,13 +94,23 @@ class DraftDecl(_Strict):
     @model_validator(mode="after")
     def _needs(self):
         if self.kind in ("external", "replacement_mtp") and self.checkpoint is None:
-            raise ValueError(f"a {self.kind} draft has its own checkpoint: add [drafts.checkpoint] with its quant metadata")
+            article = "an" if self.kind[0] in "aeiou" else "a"
+            raise ValueError(f"{article} {self.kind} draft has its own checkpoint: add [drafts.checkpoint] with its quant metadata")
         if self.kind == "draft_stages" and (self.num_layers is None or self.experts_prefix is None):
             raise ValueError("draft stages need num_layers and experts_prefix (with '{k}' for the stage number)")
         if self.kind == "external" and (self.family is None or self.config is None):
             raise ValueError("an external drafter needs its own family and config")
         if self.family is not None and self.family not in FAMILIES:
             raise ValueError(f"unknown family {self.family!r}; families: {', '.join(FAMILIES)}")
+        if self.experts_prefix is not None:
+            # (Fixed: an unknown placeholder raised KeyError from str.format when the model's facts were built.)
+            try:
+                self.experts_prefix.format(k=0, layer=0)
+            except (KeyError, IndexError, ValueError):
+                raise ValueError(
+                    f"experts_prefix {self.experts_prefix!r} may use only {{k}} (the draft layer number) and "
+                    "{layer} (the absolute layer index)"
+                ) from None
         return self
 
 
@@ -129,6 +148,15 @@ class TargetDecl(_Strict):
     draft_moe_impls_honored: tuple[str, ...] | Literal["*"] | None = None
     selection: SelectionDecl = SelectionDecl()
 
+    @field_validator("moe_impls_honored", "draft_moe_impls_honored", mode="before")
+    @classmethod
+    def _honored_shape(cls, value):
+        """One clear message for a value of the wrong shape. (Fixed: pydantic reported the union's
+        first member, e.g. `targets[0].moe_impls_honored.tuple[str, ...]: Input should be a valid tuple`.)"""
+        if value is None or value == ANY or (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
+            return value
+        raise ValueError(f'{value!r} is not a list of implementation ids, "*" (any) or left out (honors none) (RULES TG2)')
+
     @property
     def name(self) -> str:
         return f"{self.checkpoint}__sm_{self.sm}__{self.parallel}"
@@ -154,7 +182,12 @@ class Declaration(_Strict):
         return FAMILIES[self.model.family]
 
     def checkpoint(self, name: str) -> CheckpointDecl:
-        return next(c for c in self.checkpoints if c.name == name)
+        # (Fixed: an unknown name, e.g. from `explain --checkpoint`, escaped as StopIteration.)
+        found = next((c for c in self.checkpoints if c.name == name), None)
+        if found is None:
+            declared = ", ".join(c.name for c in self.checkpoints)
+            raise DeclarationError(f"model {self.model.name} has no checkpoint {name!r}; its checkpoints: {declared}")
+        return found
 
     def layout(self, parallel: str) -> Layout:
         profiles = {k: Layout(p.tp, p.moe_tp, p.ep, p.dp) for k, p in self.parallel_profiles.items()}
@@ -203,12 +236,25 @@ class Declaration(_Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self):
+        # Located at the table or entry they are about. (Fixed: both were reported at `:1: (file)`.)
         missing = [k for k in self.family.required if k not in self.config]
         if missing:
-            raise ValueError(f"[config] lacks {', '.join(missing)}, which family {self.family.name} needs")
+            raise _FieldError(("config",), f"[config] lacks {', '.join(missing)}, which family {self.family.name} needs; add it")
+        for n, draft in enumerate(self.drafts):
+            # A drafter with its own config is built from it: its family's keys must be there too.
+            # (Fixed: a missing key raised KeyError when the model's facts were built.)
+            if draft.config is not None:
+                own = FAMILIES[draft.family or self.model.family]
+                lacking = [k for k in own.required if k not in draft.config]
+                if lacking:
+                    raise _FieldError(
+                        ("drafts", n, "config"),
+                        f"the drafter's config lacks {', '.join(lacking)}, which family {own.name} needs; add it",
+                    )
         names = [c.name for c in self.checkpoints]
-        if len(set(names)) != len(names):
-            raise ValueError(f"checkpoint names repeat: {names}")
+        for n, name in enumerate(names):
+            if name in names[:n]:
+                raise _FieldError(("checkpoints", n, "name"), f"checkpoint {name!r} is declared twice; rename one")
         seen = set()
         for n, target in enumerate(self.targets):
             if target.checkpoint not in names:
@@ -337,3 +383,29 @@ def find_model(name: str, decls: dict[str, Declaration]) -> Declaration:
 def deployment_for(decl: Declaration, target: TargetDecl, eplb: bool = False) -> Deployment:
     layout = decl.layout(target.parallel)
     return Deployment(sm=target.sm, moe_tp=layout.moe_tp, ep=layout.ep, eplb=eplb)
+
+
+def resolve_target(decl: Declaration, target: TargetDecl, selection: Selection, registry: Registry | None = None):
+    """A selection resolved on one target's SM and layout, with its honored ids (TG3, TG4)."""
+    from registry.model_resolve import resolve_model
+
+    layout = decl.layout(target.parallel)
+    return resolve_model(
+        decl.facts(target.checkpoint),
+        selection,
+        sm=target.sm,
+        moe_tp=layout.moe_tp,
+        ep=layout.ep,
+        registry=registry,
+        honored=target.honored(),
+        draft_honored=target.honored(draft=True),
+    )
+
+
+def matching_targets(decl: Declaration, sm: int | None = None, parallel: str | None = None, checkpoint: str | None = None) -> list[TargetDecl]:
+    """The model's targets on an SM / layout / checkpoint (None matches any), in declaration order."""
+    return [
+        t
+        for t in decl.targets
+        if (sm is None or t.sm == sm) and (parallel is None or t.parallel == parallel) and (checkpoint is None or t.checkpoint == checkpoint)
+    ]

@@ -57,28 +57,33 @@ def expert_format(
     members: tuple[str, ...],
     default_routed: str | None = None,
 ) -> LayerFormat:
-    """FN1: global algorithm (or the model's default routed format), then exclusions, then entries.
+    """FN1: an exclusion wins, then a per-layer entry, then the model's default routed format or the
+    global algorithm; under MIXED_PRECISION a layer no entry lists is unquantized.
 
     `module` is the experts' module path; `members` are names under it (e.g. `0.gate_proj`) that a
     pattern may name instead of the prefix itself.
     """
     names = (module,) + tuple(f"{module}.{m}" for m in members)
+    mixed = (quant.quant_algo or "").upper() == MIXED_PRECISION
+    quantizes = bool(quant.quant_algo or default_routed or quant.quantized_layers)
+    # Exclusions are applied before per-layer entries (FN1): an excluded module is built unquantized
+    # even when a per-layer pattern also names it, so the format reported is the one it is built in.
+    # (Fixed: per-layer entries used to be looked up first, reporting e.g. an excluded MTP layer of a
+    # MIXED_PRECISION checkpoint as quantized.) An unquantized checkpoint has nothing to exclude from.
+    if quantizes:
+        for pattern in quant.exclude_modules:
+            if any(fnmatch.fnmatchcase(n, pattern) for n in names):
+                return LayerFormat("bf16", f"excluded from quantization by {pattern!r}", excluded=True)
     for key, algo in quant.quantized_layers:
         if any(fnmatch.fnmatchcase(n, key) for n in names):
             return LayerFormat(algo_format(algo), f"per-layer entry {key!r}: {algo}", excluded=False)
-    mixed = (quant.quant_algo or "").upper() == MIXED_PRECISION
     if default_routed is not None:
-        start = (algo_format(default_routed), f"model default routed format {default_routed}")
-    elif quant.quant_algo and not mixed:
-        start = (algo_format(quant.quant_algo), f"checkpoint quant_algo {quant.quant_algo}")
-    elif mixed:
+        return LayerFormat(algo_format(default_routed), f"model default routed format {default_routed}", excluded=False)
+    if quant.quant_algo and not mixed:
+        return LayerFormat(algo_format(quant.quant_algo), f"checkpoint quant_algo {quant.quant_algo}", excluded=False)
+    if mixed:
         return LayerFormat("bf16", "not listed under MIXED_PRECISION: unquantized", excluded=True)
-    else:
-        return LayerFormat("bf16", "unquantized checkpoint", excluded=False)
-    for pattern in quant.exclude_modules:
-        if any(fnmatch.fnmatchcase(n, pattern) for n in names):
-            return LayerFormat("bf16", f"excluded from quantization by {pattern!r}", excluded=True)
-    return LayerFormat(*start, excluded=False)
+    return LayerFormat("bf16", "unquantized checkpoint", excluded=False)
 
 
 def publishes(impl: Impl, candidates: tuple[Impl, ...], sm: int, registry: Registry) -> bool:
@@ -90,7 +95,10 @@ def publishes(impl: Impl, candidates: tuple[Impl, ...], sm: int, registry: Regis
     if not impl.runs_on(sm):
         return False
     if registry.family(impl.family).never_degrades:
-        return all(registry.family(c.family).never_degrades for c in candidates)
+        # "Nothing else" means nothing else that runs on this SM: a candidate that cannot run here
+        # publishes nothing, so it must not silence the reference either. (Fixed: AUTO on sm_80, where
+        # no TORCH implementation runs, refused every MXFP4 checkpoint under FN2.)
+        return all(registry.family(c.family).never_degrades for c in candidates if c.runs_on(sm))
     return True
 
 

@@ -161,6 +161,8 @@ def load_registry_text(text: str, source: str = "registry/impls.toml") -> Regist
         raise RegistryError(f"{source}: exactly one family must declare fallback = true")
     family_names = {f.name for f in families}
     impls = [_impl(source, n, body, family_names) for n, body in enumerate(data.get("impl", []))]
+    if not impls:
+        raise RegistryError(f"{source}: declares no [[impl]] entries")
     impls.sort(key=lambda i: i.priority)
     _check_unique(source, impls)
     _check_tokens_disjoint(source, impls)
@@ -186,7 +188,15 @@ def _family(source: str, name: str, body: dict) -> Family:
     doc = body.get("doc", "")
     if not isinstance(doc, str) or not doc.strip() or "\n" in doc:
         raise RegistryError(f"{where}: doc must be one non-empty line")
-    return Family(name, doc, bool(body.get("fallback", False)), bool(body.get("never_degrades", False)))
+    for flag in ("fallback", "never_degrades"):
+        _check_bool(where, flag, body.get(flag, False))
+    return Family(name, doc, body.get("fallback", False), body.get("never_degrades", False))
+
+
+def _check_bool(where: str, key: str, value) -> None:
+    """A flag is a TOML boolean. (Fixed: flags went through bool(), so `cpu = "false"` read as True.)"""
+    if not isinstance(value, bool):
+        raise RegistryError(f"{where}: {key} must be true or false, not {value!r}")
 
 
 def _impl(source: str, index: int, body: dict, families: set[str]) -> Impl:
@@ -194,7 +204,13 @@ def _impl(source: str, index: int, body: dict, families: set[str]) -> Impl:
     missing = _IMPL_KEYS - set(body)
     unknown = set(body) - _IMPL_KEYS
     if missing or unknown:
-        raise RegistryError(f"{where}: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}")
+        # Only the parts that apply (it used to read "missing keys ['cpu'], unknown keys []").
+        parts = ([f"missing keys {sorted(missing)}"] if missing else []) + ([f"unknown keys {sorted(unknown)}"] if unknown else [])
+        raise RegistryError(f"{where}: {', '.join(parts)}; an entry sets exactly {sorted(_IMPL_KEYS)}")
+    # A value of the wrong TOML type is reported, never a TypeError from the checks below.
+    for key in ("id", "family", "class", "doc"):
+        if not isinstance(body[key], str):
+            raise RegistryError(f"{where}: {key} must be a string")
     try:
         impl_id = ImplId.parse(body["id"])
     except RegistryError as exc:
@@ -214,14 +230,24 @@ def _impl(source: str, index: int, body: dict, families: set[str]) -> Impl:
         raise RegistryError(f"{where}: class must read 'package.module:ClassName'")
     if not isinstance(body["doc"], str) or not body["doc"].strip() or "\n" in body["doc"]:
         raise RegistryError(f"{where}: doc must be one non-empty line")
+    _check_bool(where, "cpu", body["cpu"])
     caps = body["capabilities"]
-    if set(caps) != set(_CAPABILITY_KEYS):
+    if not isinstance(caps, dict) or set(caps) != set(_CAPABILITY_KEYS):
         raise RegistryError(f"{where}: capabilities must set exactly {list(_CAPABILITY_KEYS)}")
+    for key in _CAPABILITY_KEYS:
+        if key != "activations":
+            _check_bool(where, f"capabilities.{key}", caps[key])
+    if not isinstance(caps["activations"], list):
+        raise RegistryError(f"{where}: capabilities.activations must be a list of activation kinds from {list(ACTIVATIONS)}")
     bad = set(caps["activations"]) - set(ACTIVATIONS)
     if bad:
         raise RegistryError(f"{where}: unknown activation kinds {sorted(bad)}; known: {list(ACTIVATIONS)}")
     cons = body["constraints"]
-    if set(cons) != set(_CONSTRAINT_KEYS) or not all(isinstance(v, int) and v >= 1 for v in cons.values()):
+    if (
+        not isinstance(cons, dict)
+        or set(cons) != set(_CONSTRAINT_KEYS)
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in cons.values())
+    ):
         raise RegistryError(f"{where}: constraints must set {list(_CONSTRAINT_KEYS)} to positive integers")
     return Impl(
         id=impl_id,

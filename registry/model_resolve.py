@@ -9,7 +9,7 @@ refusals mean this target does not claim it and the generic build serves instead
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from registry.eligibility import Deployment, Problem
 from registry.errors import ResolutionError, SelectionError
@@ -130,7 +130,11 @@ def resolve_model(
         else:
             request = _draft_request(selection, draft.registers_into_target_balancer, registry, out)
             plans = [(g, request, None) for g in _groups(draft.sites, "draft")]
-            draft_reports = _resolve_side(plans, draft.shape, deployment, registry, draft_honored, "draft_moe_impls_honored", out)
+            # DR6: only a draft in the target's load balancer runs under its EPLB plans. (Fixed: the
+            # target's deployment, EPLB included, was reused, so an external drafter's candidates were
+            # turned down EPLB_UNSUPPORTED although its request is not an EPLB one.)
+            draft_deployment = replace(deployment, eplb=request.eplb)
+            draft_reports = _resolve_side(plans, draft.shape, draft_deployment, registry, draft_honored, "draft_moe_impls_honored", out)
             if draft.vanilla_with_target:
                 _check_vanilla_with_target(facts, draft.name, target_reports, draft_reports, registry)
 
@@ -213,10 +217,13 @@ def _resolve_side(plans, shape: MoeShape | None, deployment: Deployment, registr
                 )
                 outcome = free
         if outcome.winner is None:
-            raise ResolutionError(no_winner_message(request, outcome, what))
+            raise ResolutionError(no_winner_message(request, outcome, what, fmt=fmt, registry=registry))
         warnings = (warning,) if warning else ()
         if outcome.selected_by == FALLBACK:
+            # The family's own rejections; a family with no implementation of this format has none,
+            # and the warning says so instead of ending in an empty list.
             trail = "; ".join(r.describe() for r in outcome.rejections if registry.impl(r.impl).family != registry.fallback_family)
+            trail = trail or f"{request.requested} has no {fmt} implementation"
             degraded = (
                 f"{request.asked}: no {request.requested} implementation can serve {what}; degraded to "
                 f"{outcome.winner.id} ({outcome.winner.family}): {trail} (RULES LR4)"
@@ -272,9 +279,20 @@ def _honored_text(honored: Honored) -> str:
     return "only " + ", ".join(sorted(honored)) if honored else "no implementation"
 
 
+def _resolvable(impl: Impl, sm: int, eplb: bool) -> bool:
+    """Whether a layer on sm_`sm` can ever resolve to `impl`: it runs there and, under per-layer
+    dynamic EPLB, consumes the plans (RQ4).
+
+    (Fixed: FN3/FN4/TG3 used to count implementations that EPLB always turns down, so under EPLB a
+    tactic such as 'w4a16_mxfp4' was refused as spanning TORCH and VANILLA, and the message suggested
+    a VANILLA tactic that RQ4 refuses in turn.)
+    """
+    return impl.runs_on(sm) and (not eplb or impl.capabilities.dynamic_eplb)
+
+
 def _runnable(request: Request, fmt: str, sm: int) -> tuple[Impl, ...]:
-    """The tactic's matches narrowed to a run format and to what runs on the SM."""
-    return tuple(i for i in request.candidates if i.format == fmt and i.runs_on(sm))
+    """The tactic's matches narrowed to a run format and to what the layer can resolve to on the SM."""
+    return tuple(i for i in request.candidates if i.format == fmt and _resolvable(i, sm, request.eplb))
 
 
 def _check_tactic_covers(group: Group, request: Request, formats, pinned, sm: int, registry: Registry) -> None:
@@ -283,7 +301,7 @@ def _check_tactic_covers(group: Group, request: Request, formats, pinned, sm: in
     matches = _runnable(request, fmt, sm)
     where = f"{group.describe()} ({group.source})"
     if not matches:
-        serving = [i for i in registry.impls if i.format == fmt and i.runs_on(sm)]
+        serving = [i for i in registry.impls if i.format == fmt and _resolvable(i, sm, request.eplb)]
         listed = ", ".join(f"{i.id} ({shortest_query(i.id, registry)!r})" for i in serving) or "no registered implementation"
         needed = sorted({formats[g][0] for g, _ in pinned} | {fmt})
         raise ResolutionError(
@@ -301,7 +319,8 @@ def _check_tactic_covers(group: Group, request: Request, formats, pinned, sm: in
 
 def _covers(tactic, pinned, formats, sm: int, registry: Registry) -> str | None:
     """The family within which a tactic names an implementation of every format the layers need."""
-    matches = [i for i in matching_impls(tactic, registry) if i.runs_on(sm)]
+    eplb = any(req.eplb for _, req in pinned)
+    matches = [i for i in matching_impls(tactic, registry) if _resolvable(i, sm, eplb)]
     for family in sorted({i.family for i in matches}):
         own = [i for i in matches if i.family == family]
         if all(_serves(own, g.checkpoint_format, formats[g][0]) for g, _ in pinned):
@@ -338,7 +357,7 @@ def _narrowed(request: Request, fmt: str, family: str, sm: int, registry: Regist
         for fields in itertools.combinations(open_fields, size):
             for impl in own:
                 narrower = tactic.with_fields(**{f: impl.id.segment(f) for f in fields})
-                names = {i.family for i in matching_impls(narrower, registry) if i.format == fmt and i.runs_on(sm)}
+                names = {i.family for i in matching_impls(narrower, registry) if i.format == fmt and _resolvable(i, sm, request.eplb)}
                 if names == {family}:
                     return narrower.compact
     return str(own[0].id)

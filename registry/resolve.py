@@ -195,12 +195,36 @@ def _honored_text(honored: frozenset[str]) -> str:
     return "only " + ", ".join(sorted(honored))
 
 
-def no_winner_message(request: Request, outcome: LayerOutcome, what: str) -> str:
-    """LR3 for a pin (names the field that set the tactic), and the same trail for a preference."""
-    trail = "; ".join(r.describe() for r in outcome.rejections) or "no implementation of this format is registered"
+def no_winner_message(
+    request: Request,
+    outcome: LayerOutcome,
+    what: str,
+    *,
+    fmt: str | None = None,
+    registry: Registry | None = None,
+) -> str:
+    """LR3 for a pin (names the field that set the tactic), and the same trail for a preference.
+
+    With `fmt` and `registry`, a request that holds no candidate of the layer's format says which
+    registered implementations serve it. (Fixed: it used to say "no implementation of this format is
+    registered" also when one is registered but outside the request, e.g. TORCH or AUTO under
+    dynamic EPLB for an nvfp4 layer that only VANILLA serves.)
+    """
+    trail = "; ".join(r.describe() for r in outcome.rejections) or _not_in_request(request, fmt, registry)
     if request.pinned:
         return f"{request.asked} pins {what}, but no implementation it names can serve it: {trail} (RULES LR3)"
     return f"{request.asked} found no implementation for {what}: {trail} (RULES LR4)"
+
+
+def _not_in_request(request: Request, fmt: str | None, registry: Registry | None) -> str:
+    if fmt is None or registry is None:
+        return "no implementation of this format is registered"
+    serving = [i for i in registry.impls if i.format == fmt]
+    if not serving:
+        return f"no implementation of {fmt} is registered"
+    which = " that consumes EPLB plans" if request.eplb else ""
+    listed = ", ".join(f"{i.id} ({i.family})" for i in serving)
+    return f"the request holds no {fmt} implementation{which}; {fmt} is served by {listed}"
 
 
 def require_winner(request: Request, outcome: LayerOutcome, what: str) -> Impl:

@@ -1,0 +1,5 @@
+"""`python -m codegen`: the moegen command line."""
+
+from codegen.cli import main
+
+raise SystemExit(main())

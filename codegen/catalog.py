@@ -1,0 +1,58 @@
+"""The implementation catalog (`docs/moe_impl_catalog.md`), rendered from the registry (RULES GN5, TA3)."""
+
+from __future__ import annotations
+
+from registry.impls import AUTO, Registry
+from registry.tactics import shortest_query
+
+from codegen.files import MARKER
+
+PATH = "docs/moe_impl_catalog.md"
+COMMAND = "python -m codegen catalog"
+
+
+def _caps(impl) -> str:
+    c = impl.capabilities
+    flags = [name for name, on in (
+        ("expert bias", c.expert_bias),
+        ("router weight on input", c.router_weight_on_input),
+        ("dynamic EPLB", c.dynamic_eplb),
+        ("EP", c.expert_parallel),
+        ("MoE TP", c.moe_tensor_parallel),
+    ) if on]
+    return ", ".join(flags + sorted(c.activations))
+
+
+def render_catalog(registry: Registry) -> str:
+    lines = [
+        f"<!-- {MARKER} Regenerate: {COMMAND} -->",
+        "# MoE implementation catalog",
+        "",
+        "Every registered implementation in global priority order: `AUTO` asks them top to bottom and the",
+        "first eligible one serves a layer (RULES RQ3, LR1). Pin one with `moe_config.tactic` set to its",
+        "shortest tactic, or select a family with `moe_config.backend` (RULES TA, RQ).",
+        "",
+        "| priority | id | shortest tactic | family | format | SMs | host CPU | capabilities | shape constraints | runtime class |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for impl in registry.impls:
+        sms = ", ".join(str(s) for s in sorted(impl.sms))
+        cons = f"hidden % {impl.constraints.hidden_multiple}, intermediate shard % {impl.constraints.intermediate_multiple}"
+        lines.append(
+            f"| {impl.priority} | `{impl.id}` | `{shortest_query(impl.id, registry)}` | {impl.family} | {impl.format} "
+            f"| {sms} | {'yes' if impl.cpu else 'no'} | {_caps(impl)} | {cons} | `{impl.class_path}` |"
+        )
+    lines += ["", "## Backend literals (`moe_config.backend`)", "", "| literal | meaning |", "|---|---|"]
+    lines.append(f"| `{AUTO}` | every implementation in priority order (a preference, not a pin) |")
+    for family in registry.families:
+        if family.fallback:
+            how = "its implementations; it is the fallback of the other families"
+        elif family.never_degrades:
+            how = "its implementations only: it never degrades"
+        else:
+            how = f"its implementations, then the fallback family {registry.fallback_family}"
+        lines.append(f"| `{family.name}` | {family.doc} Requests {how}. |")
+    lines += ["", "## MXFP4 run formats per SM (RULES FN2)", "", "| SM | most preferred first |", "|---|---|"]
+    for sm, formats in registry.mxfp4_run_formats:
+        lines.append(f"| sm_{sm} | {', '.join(formats)} |")
+    return "\n".join(lines) + "\n"

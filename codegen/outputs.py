@@ -1,0 +1,107 @@
+"""What a generation writes: the files of each build, of each model, and the shared index, as `Output`s.
+
+Paths are relative to a *generated root* (the repo's `generated/`, `build/generated/` for exploration,
+or `--out DIR`); every import inside that root is package-relative, so a root works under any name.
+"""
+
+from __future__ import annotations
+
+import json
+
+from codegen import catalog, schema
+from codegen.files import MARKER, Output
+from codegen.plan import BuildPlan
+from codegen.render import render_python
+from registry.declarations import Declaration
+from registry.impls import Registry
+
+
+def target_command(plan: BuildPlan, extra: str = "") -> str:
+    return f"python -m codegen generate --model {plan.model} --sm {plan.sm} --parallel {plan.parallel}{extra}"
+
+
+def model_command(model: str, extra: str = "") -> str:
+    return f"python -m codegen generate --model {model}{extra}"
+
+
+ALL_COMMAND = "python -m codegen generate --all"
+
+
+def _json_output(path: str, payload: dict, command: str, fingerprint: str) -> Output:
+    body = {"$comment": f"{MARKER} Regenerate: {command}. Fingerprint: {fingerprint}"} | payload
+    return Output(path, json.dumps(body, indent=2, sort_keys=True) + "\n")
+
+
+def build_outputs(decl: Declaration, plan: BuildPlan, registry: Registry, extra: str = "") -> list[Output]:
+    """A specialized build: modeling.py, draft.py when it has a draft, resolution.json, __init__.py."""
+    from codegen.modeling import render_draft, render_modeling
+
+    base = f"{decl.model.name}/{plan.target}"
+    command = target_command(plan, extra)
+    out = [
+        Output(f"{base}/__init__.py", render_python("package_init.py.j2", f"{base}/__init__.py", command, plan.fingerprint,
+                                                   f"Specialized build {plan.target}.", docstring=f"Specialized build {plan.target} of {plan.model}.")),
+        Output(f"{base}/modeling.py", render_modeling(decl, plan, registry, command)),
+        _json_output(f"{base}/resolution.json", plan.resolution, command, plan.fingerprint),
+    ]
+    if plan.draft is not None:
+        out.append(Output(f"{base}/draft.py", render_draft(decl, plan, registry, command)))
+    return out
+
+
+def model_outputs(decl: Declaration, generic: BuildPlan, registry: Registry, extra: str = "") -> list[Output]:
+    """Per model: its package, its facts (read by the router and the generic build), its generic build."""
+    from codegen.modeling import render_generic
+
+    name = decl.model.name
+    command = model_command(name, extra)
+    quant = {c.name: {"quant_algo": c.quant_algo, "exclude_modules": list(c.exclude_modules),
+                      "quantized_layers": sorted([k, v] for k, v in c.quantized_layers.items())} for c in decl.checkpoints}
+    profiles = {k: [p.tp, p.moe_tp, p.ep, p.dp] for k, p in decl.parallel_profiles.items()}
+    draft_configs = {d.name: d.config for d in decl.drafts}
+    return [
+        Output(f"{name}/__init__.py", render_python("package_init.py.j2", f"{name}/__init__.py", command, generic.fingerprint,
+                                                   f"Builds of {name}.", docstring=f"Generated builds of {name}.")),
+        Output(f"{name}/facts.py", render_python(
+            "facts.py.j2", f"{name}/facts.py", command, generic.fingerprint, f"Facts of {name}.",
+            model=name, family=decl.family.name, config=decl.config, profiles=profiles, quant=quant,
+            facts=generic.facts, draft_configs=draft_configs)),
+        Output(f"{name}/generic/__init__.py", render_python("package_init.py.j2", f"{name}/generic/__init__.py", command, generic.fingerprint,
+                                                           f"Generic build of {name}.", docstring=f"Generic build of {name}: resolves each layer when it loads.")),
+        Output(f"{name}/generic/modeling.py", render_generic(decl, generic, registry, command)),
+    ]
+
+
+def index_outputs(models: list[str], plans: list[BuildPlan], command: str = ALL_COMMAND) -> list[Output]:
+    """The root package: `load_model` and the router index of the builds in this root."""
+    import hashlib
+
+    targets = [
+        {
+            "name": p.target,
+            "model": p.model,
+            "checkpoint": p.checkpoint,
+            "sm": p.sm,
+            "parallel": p.parallel,
+            "module": f".{p.model}.{p.target}.modeling",
+            "class_name": p.class_name,
+            "moe_impls_honored": p.moe_impls_honored,
+            "draft_moe_impls_honored": p.draft_moe_impls_honored,
+            "spec_mode": p.draft.mode if p.draft else None,
+            "bound": [[role, list(layers), impl] for role, layers, impl in p.bound],
+        }
+        for p in sorted(plans, key=lambda p: (p.model, p.target))
+    ]
+    entries = [{"name": m, "generic": f".{m}.generic.modeling", "facts": f".{m}.facts"} for m in sorted(models)]
+    fingerprint = "sha256:" + hashlib.sha256(json.dumps([entries, targets], sort_keys=True).encode()).hexdigest()
+    return [
+        Output("_router_index.py", render_python("router_index.py.j2", "_router_index.py", command, fingerprint,
+                                                 "The router's index of every build in this package.", models=entries, targets=targets)),
+        Output("__init__.py", render_python("generated_init.py.j2", "__init__.py", command, fingerprint,
+                                            "load_model: the router over the builds in this package.")),
+    ]
+
+
+def docs_outputs(registry: Registry) -> list[Output]:
+    """The catalog and the schema, at the repo root (RULES GN5)."""
+    return [Output(catalog.PATH, catalog.render_catalog(registry)), Output(schema.PATH, schema.render_schema(registry))]

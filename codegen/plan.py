@@ -1,0 +1,176 @@
+"""Build plans: a target and a selection become everything a generated build needs, as plain data.
+
+A plan is what templates read and what the fingerprint hashes: its canonical JSON (sorted keys, the
+selection in canonical form) changes exactly when the generated code would (RULES GN2). Equivalent
+spellings of a tactic give equal plans.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+
+from registry.declarations import Declaration, TargetDecl, resolve_target
+from registry.model_resolve import ANY, ModelResolution
+from registry.router import bound_layers, facts_to_literal
+from registry.selection import Selection, check_selection
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    index: int
+    kind: str                    # "dense" | "moe"
+    impl: str | None = None      # bound implementation id (moe)
+    class_path: str | None = None
+    run_format: str | None = None
+    role: str | None = None      # "target" | "excluded" | "draft"
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    name: str
+    kind: str
+    mode: str
+    config: dict
+    layers: tuple[LayerPlan, ...]
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    model: str
+    family: str
+    target: str                  # a target name, or "generic"
+    class_name: str
+    checkpoint: str | None
+    sm: int | None
+    parallel: str | None
+    layout: tuple[int, int, int, int] | None
+    selection: dict
+    config: dict
+    layers: tuple[LayerPlan, ...]
+    draft: DraftPlan | None
+    moe_impls_honored: list | str | None
+    draft_moe_impls_honored: list | str | None
+    resolution: dict
+    bound: tuple = ()
+    facts: dict = field(default_factory=dict)   # generic builds: facts per checkpoint
+
+    def canonical(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"), default=list)
+
+    @property
+    def fingerprint(self) -> str:
+        return "sha256:" + hashlib.sha256(self.canonical().encode("utf-8")).hexdigest()
+
+    @property
+    def bound_ids(self) -> tuple[str, ...]:
+        ids = {l.impl for l in self.layers if l.impl} | ({l.impl for l in self.draft.layers if l.impl} if self.draft else set())
+        return tuple(sorted(ids))
+
+    @property
+    def bound_classes(self) -> tuple[str, ...]:
+        paths = {l.class_path for l in self.layers if l.class_path}
+        if self.draft:
+            paths |= {l.class_path for l in self.draft.layers if l.class_path}
+        return tuple(sorted(paths))
+
+
+def camel(*parts: str) -> str:
+    return "".join(word[:1].upper() + word[1:] for part in parts for word in part.split("_") if word)
+
+
+def class_name(decl: Declaration, target: TargetDecl | None) -> str:
+    if target is None:
+        return camel(decl.model.name, "generic") + "ForCausalLM"
+    return camel(target.checkpoint, f"sm{target.sm}", target.parallel) + "ForCausalLM"
+
+
+def _honored_literal(value):
+    if value is None or value == ANY:
+        return value
+    return sorted(value)
+
+
+def resolution_dict(resolution: ModelResolution) -> dict:
+    return {
+        "model": resolution.model,
+        "checkpoint": resolution.checkpoint,
+        "sm": resolution.sm,
+        "claimed": resolution.claimed,
+        "refusals": list(resolution.refusals),
+        "notes": list(resolution.notes),
+        "warnings": list(resolution.warnings),
+        "layers": [r.to_dict() for r in resolution.reports],
+    }
+
+
+def _layer_table(decl: Declaration, resolution: ModelResolution) -> tuple[LayerPlan, ...]:
+    by_layer = {}
+    for report in resolution.reports:
+        if report.role == "draft":
+            continue
+        for i in report.layers:
+            by_layer[i] = LayerPlan(i, "moe", report.winner, report.winner_class, report.run_format, report.role)
+    return tuple(by_layer.get(i, LayerPlan(i, "dense")) for i in range(decl.config["num_hidden_layers"]))
+
+
+def _draft_plan(decl: Declaration, selection: Selection, resolution: ModelResolution) -> DraftPlan | None:
+    mode = selection.spec_mode
+    if mode is None or mode in ("ngram", "prompt_lookup"):
+        return None
+    draft = next(d for d in decl.drafts if mode in d.modes)
+    layers = tuple(
+        LayerPlan(i, "moe", r.winner, r.winner_class, r.run_format, "draft") for r in resolution.reports if r.role == "draft" for i in r.layers
+    )
+    config = dict(draft.config) if draft.config is not None else decl.config
+    return DraftPlan(draft.name, draft.kind, mode, config, layers)
+
+
+def target_plan(decl: Declaration, target: TargetDecl, selection: Selection | None = None) -> tuple[BuildPlan, ModelResolution]:
+    """The plan of one target under `selection` (default: its declared selection)."""
+    selection = check_selection(selection or target.selection.selection())
+    resolution = resolve_target(decl, target, selection)
+    layout = decl.layout(target.parallel)
+    plan = BuildPlan(
+        model=decl.model.name,
+        family=decl.family.name,
+        target=target.name,
+        class_name=class_name(decl, target),
+        checkpoint=target.checkpoint,
+        sm=target.sm,
+        parallel=target.parallel,
+        layout=layout.as_tuple(),
+        selection=selection.canonical(),
+        config=decl.config,
+        layers=_layer_table(decl, resolution),
+        draft=_draft_plan(decl, selection, resolution),
+        moe_impls_honored=_honored_literal(target.moe_impls_honored),
+        draft_moe_impls_honored=_honored_literal(target.draft_moe_impls_honored),
+        resolution=resolution_dict(resolution),
+        bound=tuple(bound_layers(resolution)),
+    )
+    return plan, resolution
+
+
+def generic_plan(decl: Declaration, selection: Selection | None = None) -> BuildPlan:
+    """The model's generic build: it resolves each layer when it loads; `selection` is its default."""
+    selection = check_selection(selection or Selection())
+    return BuildPlan(
+        model=decl.model.name,
+        family=decl.family.name,
+        target="generic",
+        class_name=class_name(decl, None),
+        checkpoint=None,
+        sm=None,
+        parallel=None,
+        layout=None,
+        selection=selection.canonical(),
+        config=decl.config,
+        layers=tuple(LayerPlan(i, "moe" if i in set(decl.family.moe_layers(decl.config)) else "dense") for i in range(decl.config["num_hidden_layers"])),
+        draft=None,
+        moe_impls_honored=None,
+        draft_moe_impls_honored=None,
+        resolution={},
+        facts={c.name: facts_to_literal(decl.facts(c.name)) for c in decl.checkpoints},
+    )
