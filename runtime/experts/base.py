@@ -1,0 +1,365 @@
+"""The contract every experts implementation shares: layer spec, parallel slice, weight source, loading.
+
+docs/runtime.md ("Experts implementations") is the specification. An implementation subclasses
+`ExpertsBase` and supplies its buffer layout (`_buffer_specs`), how canonical checkpoint tensors
+become those buffers (`_convert`), and `forward`. The base class validates every source tensor
+before reading any, reads only this rank's slices, and swaps the new values in only once all of them
+have been read and converted, so a failed load leaves the module as it was.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, Mapping, Protocol
+
+import torch
+
+from ..activations import ACTIVATIONS, GATED
+from ..formats import RUN_FORMATS
+from ..formats.fp8 import WEIGHT_BLOCK, dequantize_weight_blocks
+from ..formats.mxfp4 import MX_BLOCK, dequantize_mxfp4
+from ..formats.nvfp4 import NVFP4_BLOCK, dequantize_nvfp4
+
+# Run format -> the checkpoint tensors it reads. The three MXFP4 run formats read the same tensors.
+WEIGHT_FAMILY = {
+    "bf16": "bf16",
+    "fp8_block_scales": "fp8",
+    "w4a16_mxfp4": "mxfp4", "w4a8_mxfp4_fp8": "mxfp4", "w4a8_mxfp4_mxfp8": "mxfp4",
+    "w4a16_nvfp4": "nvfp4", "nvfp4": "nvfp4",
+}
+# Scale granularity along the input dim: hidden and intermediate sizes must be multiples of it.
+_DIM_UNIT = {"bf16": 1, "fp8": 1, "mxfp4": MX_BLOCK, "nvfp4": NVFP4_BLOCK}
+# A MoE-TP shard of the intermediate dim must start on a scale boundary of both the gate/up rows
+# (fp8 blocks span 128 rows) and the down columns.
+_SHARD_UNIT = {"bf16": 1, "fp8": WEIGHT_BLOCK, "mxfp4": MX_BLOCK, "nvfp4": NVFP4_BLOCK}
+_MAX_LISTED_PROBLEMS = 20
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint tensor is missing or has the wrong shape or dtype; the message names each one."""
+
+
+@dataclass(frozen=True)
+class MoeLayerSpec:
+    hidden_size: int
+    intermediate_size: int        # per expert, unsharded
+    num_experts: int              # global routed experts
+    top_k: int
+    activation: str               # "silu_glu" | "swiglu_oai" | "relu2"
+    expert_bias: bool = False     # per-expert biases on both GEMMs (gpt-oss)
+    swiglu_alpha: float = 1.702   # swiglu_oai only
+    swiglu_limit: float = 7.0     # swiglu_oai only
+
+    def __post_init__(self):
+        for field in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
+            if getattr(self, field) < 1:
+                raise ValueError(f"MoeLayerSpec.{field} must be positive, got {getattr(self, field)}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"MoeLayerSpec.top_k {self.top_k} exceeds num_experts {self.num_experts}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unknown expert activation {self.activation!r}; known: {', '.join(ACTIVATIONS)}")
+
+    @property
+    def gated(self) -> bool:
+        return self.activation in GATED
+
+    @property
+    def projections(self) -> tuple[str, ...]:
+        return ("gate", "up", "down") if self.gated else ("up", "down")
+
+
+@dataclass(frozen=True)
+class ExpertParallel:
+    """This rank's slice of the experts: a contiguous shard of every expert's intermediate dim (MoE TP)
+    of the experts its EP rank owns."""
+    moe_tp_size: int = 1
+    moe_tp_rank: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+    expert_owner: tuple[int, ...] | None = None   # global expert -> ep rank; None = contiguous blocks
+
+    def __post_init__(self):
+        for size, rank in (("moe_tp_size", "moe_tp_rank"), ("ep_size", "ep_rank")):
+            n, r = getattr(self, size), getattr(self, rank)
+            if n < 1 or not 0 <= r < n:
+                raise ValueError(f"ExpertParallel: {rank}={r} must lie in 0..{n - 1} ({size}={n})")
+        if self.expert_owner is not None:
+            bad = [e for e, rank in enumerate(self.expert_owner) if not 0 <= rank < self.ep_size]
+            if bad:
+                raise ValueError(f"ExpertParallel.expert_owner gives expert {bad[0]} to ep rank "
+                                 f"{self.expert_owner[bad[0]]}, outside 0..{self.ep_size - 1}")
+
+    def owner(self, expert: int, num_experts: int) -> int:
+        """The ep rank that owns global expert `expert`."""
+        if self.expert_owner is not None:
+            if len(self.expert_owner) != num_experts:
+                raise ValueError(f"ExpertParallel.expert_owner has {len(self.expert_owner)} entries for "
+                                 f"{num_experts} experts")
+            return self.expert_owner[expert]
+        if num_experts % self.ep_size:
+            raise ValueError(f"{num_experts} experts do not split into {self.ep_size} equal contiguous "
+                             f"blocks; give ExpertParallel.expert_owner")
+        return expert // (num_experts // self.ep_size)
+
+    def local_experts(self, num_experts: int) -> tuple[int, ...]:
+        """Global ids of the experts this rank holds, ascending."""
+        return tuple(e for e in range(num_experts) if self.owner(e, num_experts) == self.ep_rank)
+
+    def inter_slice(self, intermediate_size: int) -> slice:
+        """This rank's contiguous shard of the intermediate dim."""
+        if intermediate_size % self.moe_tp_size:
+            raise ValueError(f"intermediate_size {intermediate_size} does not split into "
+                             f"{self.moe_tp_size} equal MoE-TP shards")
+        shard = intermediate_size // self.moe_tp_size
+        return slice(self.moe_tp_rank * shard, (self.moe_tp_rank + 1) * shard)
+
+
+class ExpertTensorSource(Protocol):
+    """Canonical expert tensors of one MoE layer (docs/runtime.md gives the table of kinds)."""
+
+    def name(self, expert: int, proj: str, kind: str) -> str: ...
+
+    def shape(self, expert: int, proj: str, kind: str) -> tuple[int, ...] | None: ...
+
+    def dtype(self, expert: int, proj: str, kind: str) -> torch.dtype: ...
+
+    def get(self, expert: int, proj: str, kind: str, rows: slice | None = None,
+            cols: slice | None = None) -> torch.Tensor: ...
+
+
+class DictExpertSource:
+    """An `ExpertTensorSource` over full canonical tensors held in memory, keyed (expert, proj, kind)."""
+
+    def __init__(self, tensors: Mapping[tuple[int, str, str], torch.Tensor],
+                 prefix: str = "model.layers.0.mlp.experts"):
+        self.tensors = dict(tensors)
+        self.prefix = prefix
+
+    def name(self, expert, proj, kind):
+        return f"{self.prefix}.{expert}.{proj}_proj.{kind}"
+
+    def shape(self, expert, proj, kind):
+        t = self.tensors.get((expert, proj, kind))
+        return None if t is None else tuple(t.shape)
+
+    def dtype(self, expert, proj, kind):
+        return self.tensors[expert, proj, kind].dtype
+
+    def get(self, expert, proj, kind, rows=None, cols=None):
+        t = self.tensors[expert, proj, kind]
+        if rows is not None:
+            t = t[rows]
+        if cols is not None:
+            t = t[:, cols]
+        return t
+
+
+@dataclass(frozen=True)
+class CanonicalTensor:
+    """One canonical tensor of every expert: its full checkpoint shape and this rank's slice of it."""
+    proj: str
+    kind: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    rows: slice | None = None     # in stored units; None = all
+    cols: slice | None = None
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        dims = list(self.shape)
+        for axis, sl in ((0, self.rows), (1, self.cols)):
+            if sl is not None:
+                dims[axis] = len(range(*sl.indices(dims[axis])))
+        return tuple(dims)
+
+
+def _scaled(sl: slice, unit: int) -> slice:
+    """An element slice of the intermediate dim in units of `unit` elements (scale blocks, packed bytes)."""
+    return slice(sl.start // unit, math.ceil(sl.stop / unit))
+
+
+def canonical_tensors(spec: MoeLayerSpec, fmt: str, inter: slice | None = None) -> tuple[CanonicalTensor, ...]:
+    """The canonical tensors of one expert in run format `fmt`, sliced to the intermediate shard `inter`
+    (None: the whole expert). gate/up shard their rows, down its columns; down's bias is whole."""
+    family = WEIGHT_FAMILY[fmt]
+    h, i = spec.hidden_size, spec.intermediate_size
+    out = []
+    for proj in spec.projections:
+        rows_out, cols_in = (i, h) if proj != "down" else (h, i)
+        shard_rows = inter if proj != "down" else None
+        shard_cols = inter if proj == "down" else None
+
+        def add(kind, shape, dtype, unit_rows=1, unit_cols=1, scalar=False):
+            rows = None if scalar or shard_rows is None else _scaled(shard_rows, unit_rows)
+            cols = None if scalar or shard_cols is None else _scaled(shard_cols, unit_cols)
+            out.append(CanonicalTensor(proj, kind, shape, dtype, rows, cols))
+
+        if family == "bf16":
+            add("weight", (rows_out, cols_in), torch.bfloat16)
+        elif family == "fp8":
+            add("weight", (rows_out, cols_in), torch.float8_e4m3fn)
+            add("weight_scale_inv", (math.ceil(rows_out / WEIGHT_BLOCK), math.ceil(cols_in / WEIGHT_BLOCK)),
+                torch.float32, WEIGHT_BLOCK, WEIGHT_BLOCK)
+        elif family == "mxfp4":
+            add("weight", (rows_out, cols_in // 2), torch.uint8, 1, 2)
+            add("weight_scale", (rows_out, cols_in // MX_BLOCK), torch.uint8, 1, MX_BLOCK)
+        else:
+            add("weight", (rows_out, cols_in // 2), torch.uint8, 1, 2)
+            add("weight_scale", (rows_out, cols_in // NVFP4_BLOCK), torch.float8_e4m3fn, 1, NVFP4_BLOCK)
+            add("weight_scale_2", (), torch.float32, scalar=True)
+            if fmt == "nvfp4":
+                add("input_scale", (), torch.float32, scalar=True)
+        if spec.expert_bias:
+            rows = shard_rows if proj != "down" else None
+            out.append(CanonicalTensor(proj, "bias", (rows_out,), torch.bfloat16, rows, None))
+    return tuple(out)
+
+
+WEIGHT_KINDS = ("weight", "weight_scale_inv", "weight_scale", "weight_scale_2")
+
+
+def dequantize_canonical(fmt: str, parts: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The [..., out, in] weight held by canonical `parts` (kind -> tensor, optionally stacked over
+    experts), computed in fp32 and rounded once to `dtype`."""
+    family = WEIGHT_FAMILY[fmt]
+    if family == "bf16":
+        return parts["weight"].to(dtype)
+    if family == "fp8":
+        return dequantize_weight_blocks(parts["weight"], parts["weight_scale_inv"], dtype)
+    if family == "mxfp4":
+        return dequantize_mxfp4(parts["weight"], parts["weight_scale"], dtype)
+    return dequantize_nvfp4(parts["weight"], parts["weight_scale"], parts["weight_scale_2"], dtype)
+
+
+def _describe(shape, dtype) -> str:
+    return f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
+
+
+class ExpertsBase(torch.nn.Module):
+    """Shared machinery of the experts implementations; subclasses set `IMPL_ID` and `FORMAT`."""
+
+    IMPL_ID: ClassVar[str] = ""
+    FORMAT: ClassVar[str] = ""
+
+    def __init__(self, spec: MoeLayerSpec, parallel: ExpertParallel = ExpertParallel(), device=None):
+        super().__init__()
+        if self.FORMAT not in RUN_FORMATS or not self.IMPL_ID:
+            raise TypeError(f"{type(self).__name__} must set IMPL_ID and a FORMAT among {RUN_FORMATS}")
+        self.spec = spec
+        self.parallel = parallel
+        self.family = WEIGHT_FAMILY[self.FORMAT]
+        self.inter = parallel.inter_slice(spec.intermediate_size)
+        self.inter_size = self.inter.stop - self.inter.start
+        self._check_sizes()
+        whole = parallel.moe_tp_size == 1
+        self.tensors = canonical_tensors(spec, self.FORMAT, None if whole else self.inter)
+        self.expert_ids: tuple[int, ...] = parallel.local_experts(spec.num_experts)
+        # Down's bias is added once per token: by the first MoE-TP shard.
+        self.adds_down_bias = spec.expert_bias and parallel.moe_tp_rank == 0
+        self.weights_loaded = False
+        self._allocate(device)
+
+    # --- what a subclass provides -------------------------------------------------------------------
+    def _buffer_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """name -> (shape, dtype) of every buffer, for `len(self.expert_ids)` experts."""
+        raise NotImplementedError
+
+    def _convert(self, staged: Mapping[tuple[int, str, str], torch.Tensor], device) -> dict[str, torch.Tensor]:
+        """New buffer values from this rank's canonical slices, keyed (expert, proj, kind)."""
+        raise NotImplementedError
+
+    def _extra_size_checks(self) -> list[str]:
+        """Shape constraints of the implementation itself, as messages (empty: none violated)."""
+        return []
+
+    # --- shared -------------------------------------------------------------------------------------
+    def _check_sizes(self):
+        spec, unit = self.spec, _DIM_UNIT[self.family]
+        problems = [f"{name} {size} is not a multiple of {unit}"
+                    for name, size in (("hidden_size", spec.hidden_size),
+                                       ("intermediate_size", spec.intermediate_size)) if size % unit]
+        shard_unit = _SHARD_UNIT[self.family]
+        if self.parallel.moe_tp_size > 1 and self.inter_size % shard_unit:
+            problems.append(f"the MoE-TP shard of {self.inter_size} intermediate channels is not a "
+                            f"multiple of {shard_unit}")
+        problems += self._extra_size_checks()
+        if problems:
+            raise ValueError(f"{self.IMPL_ID}: {'; '.join(problems)} ({self.FORMAT} scale or kernel layout)")
+
+    def _allocate(self, device):
+        for name, (shape, dtype) in self._buffer_specs().items():
+            self.register_buffer(name, torch.empty(shape, dtype=dtype, device=device))
+
+    def _device(self) -> torch.device:
+        for buf in self.buffers():
+            return buf.device
+        return torch.device("cpu")
+
+    def source_problems(self, source: ExpertTensorSource) -> list[str]:
+        """One message per canonical tensor of this rank's experts that is missing or mismatched."""
+        problems = []
+        for expert in self.expert_ids:
+            for t in self.tensors:
+                name = source.name(expert, t.proj, t.kind)
+                shape = source.shape(expert, t.proj, t.kind)
+                if shape is None:
+                    problems.append(f"{name}: missing from the checkpoint (expected shape "
+                                    f"{_describe(t.shape, t.dtype)})")
+                    continue
+                dtype = source.dtype(expert, t.proj, t.kind)
+                if tuple(shape) != t.shape or dtype != t.dtype:
+                    problems.append(f"{name}: expected shape {_describe(t.shape, t.dtype)}, "
+                                    f"found {_describe(shape, dtype)}")
+        return problems
+
+    def load_weights(self, source: ExpertTensorSource) -> None:
+        """Fill the buffers from `source`; on any error nothing changes and WeightLoadError says why."""
+        device = self._device()
+        if device.type == "meta":
+            raise RuntimeError(f"{type(self).__name__} lives on the meta device; materialize it "
+                               f"(module.to_empty(device=...)) before loading weights")
+        problems = self.source_problems(source)
+        if problems:
+            shown = problems[:_MAX_LISTED_PROBLEMS]
+            if len(problems) > len(shown):
+                shown.append(f"... and {len(problems) - len(shown)} more")
+            raise WeightLoadError("\n".join(shown))
+        staged = {}
+        for expert in self.expert_ids:
+            for t in self.tensors:
+                value = source.get(expert, t.proj, t.kind, rows=t.rows, cols=t.cols)
+                if tuple(value.shape) != t.local_shape or value.dtype != t.dtype:
+                    raise WeightLoadError(
+                        f"{source.name(expert, t.proj, t.kind)}: the slice rows={t.rows} cols={t.cols} "
+                        f"should be {_describe(t.local_shape, t.dtype)}, the source returned "
+                        f"{_describe(value.shape, value.dtype)}")
+                staged[expert, t.proj, t.kind] = value
+        new = self._convert(staged, device) if self.expert_ids else {}
+        with torch.no_grad():
+            for name, value in new.items():
+                old = getattr(self, name)
+                if old.shape == value.shape and old.dtype == value.dtype:
+                    old.copy_(value)     # keeps buffer identity (CUDA graphs, shared references)
+                else:
+                    setattr(self, name, value)
+        self.weights_loaded = True
+
+    @classmethod
+    def from_checkpoint(cls, spec: MoeLayerSpec, parallel: ExpertParallel, source: ExpertTensorSource,
+                        device=None) -> "ExpertsBase":
+        module = cls(spec, parallel, device=device)
+        module.load_weights(source)
+        return module
+
+    def _check_inputs(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        if hidden.dim() != 2 or hidden.shape[1] != self.spec.hidden_size:
+            raise ValueError(f"hidden must be [T, {self.spec.hidden_size}], got {tuple(hidden.shape)}")
+        if topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != hidden.shape[0] or topk_ids.dim() != 2:
+            raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+                             f"must both be [T, k] with T = {hidden.shape[0]}")
+
+    def extra_repr(self) -> str:
+        p = self.parallel
+        return (f"{self.IMPL_ID}, experts {len(self.expert_ids)}/{self.spec.num_experts}, "
+                f"inter {self.inter.start}:{self.inter.stop}, moe_tp {p.moe_tp_rank}/{p.moe_tp_size}, "
+                f"ep {p.ep_rank}/{p.ep_size}")
