@@ -198,6 +198,12 @@ def _fp8_block(reader: CheckpointReader) -> int | list:
     return block
 
 
+# Producers store routers and norms in bf16 or fp32 alike (transformers keeps DeepSeek's router fp32, the
+# hub checkpoints hold it in bf16): between these the value is cast, like any HF loader does. Any other
+# mismatch (fp8 or packed fp4 for a bf16 parameter, integers) is a different tensor and fails the load.
+_PLAIN_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def _plan_target(reader: CheckpointReader, t: _Target, block) -> list[str]:
     present = [n for n in t.names if n in reader]
     name = t.names[0]
@@ -217,7 +223,7 @@ def _plan_target(reader: CheckpointReader, t: _Target, block) -> list[str]:
     t.ckpt_name = present[0]
     info = reader.info(t.ckpt_name)
     t.nbytes = t.tensor.numel() * t.tensor.element_size()
-    if info.dtype != t.tensor.dtype:
+    if info.dtype != t.tensor.dtype and not (info.dtype in _PLAIN_FLOATS and t.tensor.dtype in _PLAIN_FLOATS):
         edge = block if isinstance(block, int) else quantized_weights.fp8.WEIGHT_BLOCK
         quant, problems = quantized_weights.plan(reader, t.ckpt_name, t.full_shape, t.tensor.dtype, edge)
         if quant is None:
@@ -249,7 +255,7 @@ def _fill(model: nn.Module, reader: CheckpointReader, t: _Target, device) -> Non
         return
     # A build constructed on the meta device has no storage to copy into: put a real tensor in
     # place under every tied name, keeping what the op attached to the parameter (its shard).
-    value = value.to(device)
+    value = value.to(device=device, dtype=t.tensor.dtype)
     if isinstance(t.tensor, nn.Parameter):
         new = nn.Parameter(value, requires_grad=t.tensor.requires_grad)
         new.__dict__.update(t.tensor.__dict__)

@@ -231,6 +231,35 @@ def dequantize_canonical(fmt: str, parts: Mapping[str, torch.Tensor], dtype: tor
     return dequantize_nvfp4(parts["weight"], parts["weight_scale"], parts["weight_scale_2"], dtype)
 
 
+def random_source(spec: MoeLayerSpec, fmt: str, experts, generator: torch.Generator, std: float = 0.02) -> DictExpertSource:
+    """Random canonical tensors of `experts` (whole, unsharded) in run format `fmt`: bf16 weights
+    drawn normal(0, std) and quantized with the format's own codecs, so codes and scales are valid."""
+    from ..formats.fp8 import quantize_weight_blocks
+    from ..formats.mxfp4 import quantize_mxfp4
+    from ..formats.nvfp4 import quantize_nvfp4_weight
+
+    family = WEIGHT_FAMILY[fmt]
+    tensors = {}
+    for expert in experts:
+        for proj in spec.projections:
+            out_dim, in_dim = (spec.intermediate_size, spec.hidden_size) if proj != "down" else (spec.hidden_size, spec.intermediate_size)
+            w = torch.randn(out_dim, in_dim, generator=generator) * std
+            if family == "bf16":
+                parts = {"weight": w.to(torch.bfloat16)}
+            elif family == "fp8":
+                parts = dict(zip(("weight", "weight_scale_inv"), quantize_weight_blocks(w)))
+            elif family == "mxfp4":
+                parts = dict(zip(("weight", "weight_scale"), quantize_mxfp4(w)))
+            else:
+                parts = dict(zip(("weight", "weight_scale", "weight_scale_2"), quantize_nvfp4_weight(w)))
+                if fmt == "nvfp4":
+                    parts["input_scale"] = torch.tensor(1.0 / 448.0, dtype=torch.float32)
+            if spec.expert_bias:
+                parts["bias"] = (torch.randn(out_dim, generator=generator) * std).to(torch.bfloat16)
+            tensors.update({(expert, proj, kind): value for kind, value in parts.items()})
+    return DictExpertSource(tensors, prefix="random")
+
+
 def _describe(shape, dtype) -> str:
     return f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
 
@@ -343,6 +372,10 @@ class ExpertsBase(torch.nn.Module):
                 else:
                     setattr(self, name, value)
         self.weights_loaded = True
+
+    def init_random(self, generator: torch.Generator) -> None:
+        """Fresh random weights for this rank's experts (runs without a checkpoint; never zeros)."""
+        self.load_weights(random_source(self.spec, self.FORMAT, self.expert_ids, generator))
 
     @classmethod
     def from_checkpoint(cls, spec: MoeLayerSpec, parallel: ExpertParallel, source: ExpertTensorSource,

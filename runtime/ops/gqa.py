@@ -1,0 +1,132 @@
+"""Grouped-query attention with the per-family options of Qwen3-MoE, Mixtral, GLM-4 MoE, MiniMax-M2 and gpt-oss.
+
+One class, options as constructor arguments: projection biases (`qkv_bias` for GLM, `qkv_bias` and
+`o_bias` for gpt-oss), qk-norm per head (Qwen3, GLM `use_qk_norm`) or over the whole projection
+(MiniMax-M2 `qk_norm_type: per_layer`), sinks and a sliding window (gpt-oss). How many dims rotate is
+the width of the `cos`/`sin` the model passes in (partial rotary for GLM and MiniMax-M2). Under tensor parallelism the heads split over `tp_size` ranks; key/value heads split too, or
+are replicated when there are fewer of them than ranks (each rank then holds the one its query heads use).
+Submodules carry the checkpoint names: `q_proj k_proj v_proj o_proj q_norm k_norm sinks`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from runtime.ops.attention_core import attention
+from runtime.ops.kv_cache import StaticCache
+from runtime.ops.linear import ColumnParallelLinear, RowParallelLinear, new_param, split
+from runtime.ops.norms import ProjectionRMSNorm, RMSNorm
+from runtime.ops.rotary import apply_rotary
+
+QK_NORMS = ("none", "head", "projection")
+
+
+def kv_head_shard(num_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """(chunk, chunks) of the key/value heads this rank holds: an even split, or one replicated head."""
+    if num_kv_heads >= tp_size:
+        split(num_kv_heads, tp_size, "num_key_value_heads")
+        return tp_rank, tp_size
+    if tp_size % num_kv_heads:
+        raise ValueError(f"{num_kv_heads} key/value heads cannot be replicated evenly over {tp_size} ranks")
+    return tp_rank // (tp_size // num_kv_heads), num_kv_heads
+
+
+class GQAttention(nn.Module):
+    """`forward(hidden [B, S, H], positions [S], cos, sin, cache=None) -> [B, S, H]`."""
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        interleaved_rope: bool = False,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: str = "none",
+        rms_norm_eps: float = 1e-6,
+        sinks: bool = False,
+        sliding_window: int | None = None,
+        softmax_scale: float | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if qk_norm not in QK_NORMS:
+            raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {qk_norm!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.head_dim = head_dim
+        self.interleaved_rope = interleaved_rope
+        self.sliding_window = sliding_window
+        self.scale = head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
+        self.local_heads = split(num_heads, tp_size, "num_attention_heads")
+        kv_shard = kv_head_shard(num_kv_heads, tp_rank, tp_size)
+        self.local_kv_heads = num_kv_heads // kv_shard[1]
+
+        q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
+        self.q_proj = ColumnParallelLinear(
+            in_features=hidden_size, out_features=q_out, bias=qkv_bias, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype
+        )
+        self.k_proj = ColumnParallelLinear(
+            in_features=hidden_size, out_features=kv_out, bias=qkv_bias, shard=kv_shard, dtype=dtype
+        )
+        self.v_proj = ColumnParallelLinear(
+            in_features=hidden_size, out_features=kv_out, bias=qkv_bias, shard=kv_shard, dtype=dtype
+        )
+        self.o_proj = RowParallelLinear(
+            in_features=q_out, out_features=hidden_size, bias=o_bias, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype
+        )
+        self.qk_norm = qk_norm
+        if qk_norm == "head":
+            self.q_norm = RMSNorm(hidden_size=head_dim, eps=rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(hidden_size=head_dim, eps=rms_norm_eps, dtype=dtype)
+        elif qk_norm == "projection":
+            self.q_norm = ProjectionRMSNorm(
+                hidden_size=q_out, eps=rms_norm_eps, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype
+            )
+            self.k_norm = ProjectionRMSNorm(
+                hidden_size=kv_out, eps=rms_norm_eps, tp_size=tp_size, shard=kv_shard, dtype=dtype
+            )
+        # One learned logit per query head, split with the heads.
+        self.sinks = new_param(self.local_heads, dtype=dtype, shard=(0, tp_rank, tp_size)) if sinks else None
+
+    def new_cache(
+        self, *, batch_size: int, max_seq_len: int, dtype: torch.dtype, device: torch.device | str | None = None
+    ) -> StaticCache:
+        shape = (self.local_kv_heads, self.head_dim)
+        return StaticCache(
+            batch_size=batch_size, max_seq_len=max_seq_len, first_shape=shape, second_shape=shape,
+            dtype=dtype, device=device,
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: StaticCache | None = None,
+    ) -> torch.Tensor:
+        batch, seq, _ = hidden.shape
+        q = self.q_proj(hidden)
+        k = self.k_proj(hidden)
+        v = self.v_proj(hidden).view(batch, seq, self.local_kv_heads, self.head_dim)
+        if self.qk_norm == "projection":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(batch, seq, self.local_heads, self.head_dim)
+        k = k.view(batch, seq, self.local_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, cos, sin, self.interleaved_rope)
+        k = apply_rotary(k, cos, sin, self.interleaved_rope)
+
+        if cache is None:
+            k_positions = positions
+        else:
+            k, v = cache.update(positions, k, v)
+            k_positions = cache.positions
+        out = attention(q, k, v, positions, k_positions, self.scale, self.sliding_window, self.sinks)
+        return self.o_proj(out.reshape(batch, seq, -1))

@@ -1,0 +1,127 @@
+"""DeepSeek multi-head latent attention (MLA): DeepSeek-V2/V3, Kimi-K2.
+
+Keys and values come from one compressed latent per token (`kv_lora_rank` wide, RMS-normed) plus one
+rotated key part shared by all heads (`qk_rope_head_dim`); the cache stores exactly those two, which is
+the point of MLA. Queries come either straight from the hidden state (`q_lora_rank=None`, V2-Lite style)
+or through their own low-rank bottleneck. This is the plain form: cached latents are expanded through
+`kv_b_proj` on every step; absorbing `kv_b_proj` into the query and output is a later optimisation that
+would not change the checkpoint names.
+
+Tensor parallelism splits the heads: `q_proj`/`q_b_proj` and `kv_b_proj` by output columns, `o_proj` by
+input rows. `q_a_proj`, `kv_a_proj_with_mqa` and the two latent norms are small and replicated.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from runtime.ops.attention_core import attention
+from runtime.ops.kv_cache import StaticCache
+from runtime.ops.linear import ColumnParallelLinear, RowParallelLinear, split
+from runtime.ops.norms import RMSNorm
+from runtime.ops.rotary import apply_rotary
+
+
+class MLAttention(nn.Module):
+    """`forward(hidden [B, S, H], positions [S], cos, sin, cache=None) -> [B, S, H]`.
+
+    `softmax_scale` is a number the template inlines: `rotary.mla_softmax_scale(...)` computes it as
+    transformers does (`(nope + rope)^-0.5`, times the YaRN mscale squared when `mscale_all_dim` is set).
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_heads: int,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        softmax_scale: float,
+        rms_norm_eps: float = 1e-6,
+        attention_bias: bool = False,
+        interleaved_rope: bool = True,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.local_heads = split(num_heads, tp_size, "num_attention_heads")
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
+        self.scale = float(softmax_scale)
+        self.interleaved_rope = interleaved_rope
+        tp = dict(tp_rank=tp_rank, tp_size=tp_size)
+
+        if q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(
+                in_features=hidden_size, out_features=num_heads * self.qk_head_dim, dtype=dtype, **tp
+            )
+        else:
+            # transformers gives q_a_proj the attention bias too; q_b_proj never has one.
+            self.q_a_proj = ColumnParallelLinear(  # replicated: tp_size stays 1
+                in_features=hidden_size, out_features=q_lora_rank, bias=attention_bias, dtype=dtype
+            )
+            self.q_a_layernorm = RMSNorm(hidden_size=q_lora_rank, eps=rms_norm_eps, dtype=dtype)
+            self.q_b_proj = ColumnParallelLinear(
+                in_features=q_lora_rank, out_features=num_heads * self.qk_head_dim, dtype=dtype, **tp
+            )
+        self.kv_a_proj_with_mqa = ColumnParallelLinear(  # replicated
+            in_features=hidden_size, out_features=kv_lora_rank + qk_rope_head_dim, bias=attention_bias, dtype=dtype
+        )
+        self.kv_a_layernorm = RMSNorm(hidden_size=kv_lora_rank, eps=rms_norm_eps, dtype=dtype)
+        self.kv_b_proj = ColumnParallelLinear(
+            in_features=kv_lora_rank, out_features=num_heads * (qk_nope_head_dim + v_head_dim), dtype=dtype, **tp
+        )
+        self.o_proj = RowParallelLinear(
+            in_features=num_heads * v_head_dim, out_features=hidden_size, bias=attention_bias, dtype=dtype, **tp
+        )
+        self.q_lora = q_lora_rank is not None
+
+    def new_cache(
+        self, *, batch_size: int, max_seq_len: int, dtype: torch.dtype, device: torch.device | str | None = None
+    ) -> StaticCache:
+        """Latent `[B, L, kv_lora_rank]` and rotated shared key `[B, L, 1, qk_rope_head_dim]`."""
+        return StaticCache(
+            batch_size=batch_size, max_seq_len=max_seq_len, first_shape=(self.kv_lora_rank,),
+            second_shape=(1, self.qk_rope_head_dim), dtype=dtype, device=device,
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: StaticCache | None = None,
+    ) -> torch.Tensor:
+        batch, seq, _ = hidden.shape
+        if self.q_lora:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        else:
+            q = self.q_proj(hidden)
+        q = q.view(batch, seq, self.local_heads, self.qk_head_dim)
+        q_nope, q_rot = q.split((self.qk_nope_head_dim, self.qk_rope_head_dim), dim=-1)
+
+        latent, k_rot = self.kv_a_proj_with_mqa(hidden).split((self.kv_lora_rank, self.qk_rope_head_dim), dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_rot = apply_rotary(q_rot, cos, sin, self.interleaved_rope)
+        k_rot = apply_rotary(k_rot.view(batch, seq, 1, self.qk_rope_head_dim), cos, sin, self.interleaved_rope)
+
+        if cache is None:
+            k_positions = positions
+        else:
+            latent, k_rot = cache.update(positions, latent, k_rot)
+            k_positions = cache.positions
+        length = latent.shape[1]
+        kv = self.kv_b_proj(latent).view(batch, length, self.local_heads, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = kv.split((self.qk_nope_head_dim, self.v_head_dim), dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(batch, length, self.local_heads, self.qk_rope_head_dim)), dim=-1)
+        q = torch.cat((q_nope, q_rot), dim=-1)
+        out = attention(q, k, v, positions, k_positions, self.scale)
+        return self.o_proj(out.reshape(batch, seq, -1))

@@ -1,0 +1,110 @@
+"""The MoE block: a router, an experts implementation and optional shared experts, summed and reduced per the layout.
+
+The block is where the parallel layout meets the MoE: the experts object returns this rank's partial sum
+(its experts, its intermediate shard; docs/runtime.md) and shared experts return their TP partial sum, so
+the block owns the one reduction. With attention data parallel (`dp > 1`) each replica holds different
+tokens: they are all-gathered across replicas before routing, and each replica keeps its own rows of the
+reduced output.
+
+Submodule names are the checkpoint's, passed as keyword arguments so a template writes exactly the names
+of its family: `gate` (most families) or `router` (gpt-oss); `experts`; `shared_experts` (DeepSeek, GLM)
+or `shared_expert` + `shared_expert_gate` (Qwen2-MoE / Qwen3-Next). A `SigmoidTopKRouter` built with
+`bias_on_block=True` gets its correction bias from the block (`block_sparse_moe.e_score_correction_bias`,
+MiniMax-M2).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from runtime import parallel
+from runtime.parallel import Layout
+
+
+class MoEBlock(nn.Module):
+    """`forward(hidden [..., H]) -> [..., H]`, the full (reduced) output for this rank's tokens."""
+
+    def __init__(
+        self,
+        *,
+        experts: nn.Module,
+        gate: nn.Module | None = None,
+        router: nn.Module | None = None,
+        shared_experts: nn.Module | None = None,
+        shared_expert: nn.Module | None = None,
+        shared_expert_gate: nn.Module | None = None,
+        layout: Layout = Layout(),
+    ) -> None:
+        super().__init__()
+        if (gate is None) == (router is None):
+            raise ValueError("pass exactly one of gate= (most families) or router= (gpt-oss)")
+        if shared_experts is not None and shared_expert is not None:
+            raise ValueError("pass shared_experts= (DeepSeek/GLM) or shared_expert= (Qwen), not both")
+        if shared_expert_gate is not None and shared_expert is None:
+            raise ValueError("shared_expert_gate= needs shared_expert=")
+        shared = shared_experts if shared_experts is not None else shared_expert
+        if shared is not None and getattr(getattr(shared, "down_proj", None), "reduce", False):
+            raise ValueError("build shared experts with reduce_output=False: the MoE block reduces them")
+
+        if gate is not None:
+            self.gate = gate
+        else:
+            self.router = router
+        self.experts = experts
+        if shared_experts is not None:
+            self.shared_experts = shared_experts
+        if shared_expert is not None:
+            self.shared_expert = shared_expert
+            self.shared_expert_gate = shared_expert_gate
+        if getattr(gate, "bias_on_block", False):
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(gate.num_experts, dtype=torch.float32), requires_grad=False
+            )
+        else:
+            self.e_score_correction_bias = None
+
+        # Aliases kept in a tuple so they are not registered twice (state_dict keys stay the checkpoint's).
+        self._parts = (gate if gate is not None else router, shared, shared_expert_gate)
+        # Which collectives run is decided here, once, from the layout.
+        self.world = layout.world
+        self.dp = layout.dp
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        route = self._parts[0]
+        if self.e_score_correction_bias is None:
+            ids, weights = route(x)
+        else:
+            ids, weights = route(x, self.e_score_correction_bias)
+        return self.experts(x, ids, weights)
+
+    def _shared_out(self, x: torch.Tensor) -> torch.Tensor | None:
+        _, shared, shared_gate = self._parts
+        if shared is None:
+            return None
+        out = shared(x)
+        if shared_gate is not None:
+            out = shared_gate(x) * out
+        return out
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        shape = hidden.shape
+        x = hidden.reshape(-1, shape[-1])
+        if self.dp == 1:
+            # Every rank holds all tokens, and TP spans the world: routed and shared partial sums add up
+            # before a single all-reduce (none at all on one rank).
+            out = self._routed(x)
+            shared = self._shared_out(x)
+            if shared is not None:
+                out = out + shared
+            if self.world > 1:
+                out = parallel.all_reduce(out, parallel.WORLD)
+        else:
+            # Replicas hold different tokens (equal counts per replica): route everyone's tokens on every
+            # rank, sum the experts' partial outputs over the world, keep this replica's rows.
+            tokens = parallel.all_gather(x, dim=0, group=parallel.DP)
+            routed = parallel.all_reduce(self._routed(tokens), parallel.WORLD)
+            out = routed.chunk(self.dp, dim=0)[parallel.group_rank(parallel.DP)]
+            shared = self._shared_out(x)
+            if shared is not None:
+                out = out + parallel.all_reduce(shared, parallel.TP)
+        return out.reshape(shape)
