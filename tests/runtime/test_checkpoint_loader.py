@@ -271,8 +271,8 @@ BAD_INPUTS = {
                                  f"unexpected tensor {PREFIX}.2.gate_proj.weight_scale_inv: no parameter of this build reads it"),
     "shape": (lambda t: {**t, "model.layers.1.self_attn.q_proj.weight": torch.zeros(64, 16, dtype=torch.bfloat16)},
               "model.layers.1.self_attn.q_proj.weight: expected shape (64, 32), found (64, 16)"),
-    "dtype": (lambda t: {**t, "model.layers.1.mlp.gate.weight": torch.zeros(E, SMALL_H, dtype=torch.bfloat16)},
-              "model.layers.1.mlp.gate.weight: expected dtype float32, found bfloat16"),
+    "dtype": (lambda t: {**t, "model.layers.1.mlp.gate.weight": torch.zeros(E, SMALL_H, dtype=torch.int32)},
+              "model.layers.1.mlp.gate.weight: expected dtype float32, found int32"),
     "expert_shape": (lambda t: {**t, f"{PREFIX}.3.up_proj.weight": torch.zeros(SMALL_I, 16, dtype=torch.bfloat16)},
                      f"{PREFIX}.3.up_proj.weight: expected shape (8, 32) bfloat16, found (8, 16) bfloat16"),
     "expert_dtype": (lambda t: {**t, f"{PREFIX}.0.down_proj.weight": torch.zeros(SMALL_H, SMALL_I)},
@@ -280,6 +280,18 @@ BAD_INPUTS = {
     "expert_missing": (lambda t: {k: v for k, v in t.items() if k != f"{PREFIX}.1.gate_proj.weight"},
                        f"{PREFIX}.1.gate_proj.weight: missing from the checkpoint (expected shape (8, 32) bfloat16)"),
 }
+
+
+def test_a_router_stored_in_bf16_loads_into_an_fp32_parameter_by_value(tmp_path):
+    # Producers differ (transformers keeps DeepSeek's router fp32, the hub checkpoints hold bf16):
+    # between plain float dtypes the loader casts, as every HF loader does.
+    tensors = _small_tensors()
+    stored = torch.randn(E, SMALL_H).to(torch.bfloat16)
+    tensors["model.layers.1.mlp.gate.weight"] = stored
+    build, _ = _small_build()
+    load_checkpoint(build, _write(tmp_path, tensors))
+    loaded = dict(build.named_parameters())["model.layers.1.mlp.gate.weight"]
+    assert loaded.dtype == torch.float32 and torch.equal(loaded, stored.float())
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
