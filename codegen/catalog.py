@@ -11,6 +11,11 @@ PATH = "docs/moe_impl_catalog.md"
 COMMAND = "python -m codegen catalog"
 
 
+def _cell(text: str) -> str:
+    """A registry doc line as a table cell: a bare pipe would end the cell early."""
+    return text.replace("|", "\\|")
+
+
 def _caps(impl) -> str:
     c = impl.capabilities
     flags = [name for name, on in (
@@ -51,7 +56,7 @@ def render_catalog(registry: Registry) -> str:
             how = "its implementations only: it never degrades"
         else:
             how = f"its implementations, then the fallback family {registry.fallback_family}"
-        lines.append(f"| `{family.name}` | {family.doc} Requests {how}. |")
+        lines.append(f"| `{family.name}` | {_cell(family.doc)} Requests {how}. |")
     lines += ["", "## MXFP4 run formats per SM (RULES FN2)", "", "| SM | most preferred first |", "|---|---|"]
     for sm, formats in registry.mxfp4_run_formats:
         lines.append(f"| sm_{sm} | {', '.join(formats)} |")

@@ -50,7 +50,10 @@ def cmd_explain(args) -> int:
     sys.stdout.write(text)
     declared = [e for e in explained if e.target is not None]
     if args.mode == "require" and (not declared or not any(e.resolution.claimed for e in declared)):
-        reasons = "; ".join(r for e in declared for r in e.resolution.refusals) or f"no target of {args.model} is declared on sm_{args.sm}"
+        # With several targets, each reason names its own: two refusing alike must not read as one repeated.
+        named = len(declared) > 1
+        reasons = "; ".join(f"{e.name}: {r}" if named else r for e in declared for r in e.resolution.refusals)
+        reasons = reasons or f"no target of {args.model} is declared on sm_{args.sm}"
         raise NotHonoredError(f"--mode require: no target claims this selection: {reasons} (RULES TG5)")
     return 0
 
@@ -68,19 +71,27 @@ def cmd_list(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from codegen.generate import apply, declared_generation, model_generation
+    from codegen.generate import all_generation, apply, model_generation
     from registry.impls import load_registry
 
     registry = load_registry()
     decls = _models(args)
+    # A relative --out is relative to where the user runs the command, like any path argument.
+    out = str(args.out if args.out.is_absolute() else Path.cwd() / args.out) if args.out else None
     if args.all:
-        gen = declared_generation(decls, registry)
+        given = [f for f, v in (("--model", args.model), ("--sm", args.sm), ("--parallel", args.parallel), ("--config", args.config),
+                                ("--backend", args.backend), ("--tactic", args.tactic), ("--eplb", args.eplb), ("--spec-mode", args.spec_mode),
+                                ("--draft-backend", args.draft_backend), ("--draft-tactic", args.draft_tactic)) if v]
+        if given:
+            raise MoegenError(f"generate --all writes every declared build with its declared selection; drop {', '.join(given)} "
+                              "(or use --model M to explore a selection)")
+        gen = all_generation(decls, registry, out)
     else:
         if not args.model:
             raise MoegenError("generate needs --model M (or --all)")
         explicit = any(v is not None for v in (args.config, args.backend, args.tactic, args.spec_mode, args.draft_backend, args.draft_tactic)) or args.eplb
         selection = _selection(args) if explicit else None
-        gen = model_generation(decls, args.model, args.sm, args.parallel, selection, args.mode, str(args.out) if args.out else None, registry)
+        gen = model_generation(decls, args.model, args.sm, args.parallel, selection, args.mode, out, registry, dry_run=args.dry_run)
     for line in gen.messages:
         print(line)
     for line in apply(gen, args.dry_run):
@@ -152,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="every declared build, the index, the catalog and the schema")
     p.add_argument("--sm", type=int)
     p.add_argument("--parallel")
-    p.add_argument("--out", type=Path, help="write into this folder instead of generated/ or build/generated/")
+    p.add_argument("--out", type=Path, help="write into this folder instead of generated/ or build/generated/ "
+                   "(with --all, the catalog and schema land there too, under docs/ and schemas/)")
     p.add_argument("--dry-run", action="store_true", help="list the files and whether they would change; write nothing")
     _selection_flags(p)
 

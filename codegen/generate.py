@@ -1,10 +1,13 @@
 """`generate` and `check`: which builds a command produces, where they go, and what it says.
 
-Declared builds (a target with its declared selection, every generic build, the index, the catalog
-and the schema) go to the repo's `generated/`; a selection that differs from a target's declared one
-is an exploration and goes to `build/generated/` unless `--out` says otherwise. A target that does not
-honor the selection is refused: under `auto` the model's generic build, bound to the selection, is
-written instead; under `require` nothing is written and the command fails (RULES TG5).
+Declared builds (a target of a project declaration with its declared selection, every generic build,
+the index, the catalog and the schema) go to the repo's `generated/`; a selection that differs from a
+target's declared one, or a model declared only through `--models`, is an exploration and goes to
+`build/generated/` unless `--out` says otherwise. A target that does not honor the selection is
+refused: under `auto` the model's generic build is written instead (planned and headed with the
+selection), under `require` nothing is written and the command fails (RULES TG5). A declared target
+must claim its own declared selection. Each target is planned once per command: the declared plans
+feed the builds, the router index and the exploration alike.
 """
 
 from __future__ import annotations
@@ -12,26 +15,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from codegen.files import Output, check_outputs, write_outputs
+from codegen.files import Output, changed, check_outputs, orphans, remove_orphans, verify_outputs, write_verified
 from codegen.outputs import ALL_COMMAND, build_outputs, docs_outputs, index_outputs, model_outputs
 from codegen.plan import BuildPlan, generic_plan, target_plan
-from registry.declarations import Declaration, find_model, matching_targets
+from registry.declarations import MODELS_DIR, Declaration, TargetDecl, find_model, matching_targets
 from registry.errors import DeclarationError, NotHonoredError, SelectionError
 from registry.families import RUNTIME_FAMILIES
 from registry.impls import Registry, load_registry
+from registry.model_resolve import ModelResolution
 from registry.selection import Selection
 
 ROOT = Path(__file__).resolve().parent.parent
 DECLARED_ROOT = "generated"
 EXPLORE_ROOT = "build/generated"
+DOCS_ROOT = "."
 
 
 @dataclass
 class Generation:
-    """Outputs per root folder, and what to tell the user."""
+    """Outputs per root folder, the roots whose orphans `generate` removes, and what to tell the user."""
 
     roots: dict[str, list[Output]] = field(default_factory=dict)
     messages: list[str] = field(default_factory=list)
+    prune: set[str] = field(default_factory=set)
 
     def add(self, root: str, outputs: list[Output]) -> None:
         bucket = self.roots.setdefault(root, [])
@@ -40,22 +46,78 @@ class Generation:
 
 
 def buildable(decls: dict[str, Declaration]) -> list[Declaration]:
-    return [d for _, d in sorted(d for d in decls.items()) if d.family.runtime]
+    return [d for _, d in sorted(decls.items()) if d.family.runtime]
 
 
-def declared_generation(decls: dict[str, Declaration], registry: Registry) -> Generation:
-    """Everything the repo's generated/ (and docs/, schemas/) must hold (ARCHITECTURE, "A generated build")."""
+def project_models(decls: dict[str, Declaration]) -> dict[str, Declaration]:
+    """The declarations under registry/models (not a user's `--models` folder): what generated/ holds."""
+    names = {p.stem for p in MODELS_DIR.glob("*.toml")}
+    return {k: v for k, v in decls.items() if k in names}
+
+
+@dataclass(frozen=True)
+class Planned:
+    target: TargetDecl
+    plan: BuildPlan
+    resolution: ModelResolution
+
+
+def declared_plans(decls: dict[str, Declaration]) -> dict[str, tuple[BuildPlan, list[Planned]]]:
+    """Every buildable model's generic plan and its targets' plans under their declared selections.
+
+    A target must claim its own declared selection: a declared build bound to an implementation its
+    target does not honor would be exactly the silent substitution the honored ids exist to prevent
+    (RULES TG4). (Fixed: such a build was generated, bound to the unhonored winner.)
+    """
+    out = {}
+    for decl in buildable(decls):
+        planned = []
+        for n, target in enumerate(decl.targets):
+            p = Planned(target, *target_plan(decl, target))
+            if not p.resolution.claimed:
+                raise DeclarationError(
+                    f"{_where(decl, n)}: target {target.name} does not claim its own declared selection: "
+                    f"{'; '.join(p.resolution.refusals)}; add what it should bind to moe_impls_honored "
+                    "(or draft_moe_impls_honored), or declare a selection it honors"
+                )
+            planned.append(p)
+        out[decl.model.name] = (generic_plan(decl), planned)
+    return out
+
+
+def _where(decl: Declaration, n: int) -> str:
+    """`registry/models/<model>.toml:<line>: targets[n]` for a project declaration, else the model's name."""
+    from registry.toml_lines import line_of
+
+    path = MODELS_DIR / f"{decl.model.name}.toml"
+    if not path.is_file():
+        return f"{decl.model.name}: targets[{n}]"
+    return f"registry/models/{path.name}:{line_of(path.read_text(encoding='utf-8'), ('targets', n))}: targets[{n}]"
+
+
+def declared_generation(
+    decls: dict[str, Declaration],
+    registry: Registry,
+    root: str = DECLARED_ROOT,
+    docs_root: str = DOCS_ROOT,
+    plans: dict | None = None,
+    only: str | None = None,
+) -> Generation:
+    """Everything `root` (the repo's generated/) and `docs_root` must hold (ARCHITECTURE, "A generated build").
+
+    `only` limits the builds written to one model; the index always covers every model.
+    """
+    plans = plans if plans is not None else declared_plans(decls)
     gen = Generation()
-    plans = []
-    models = buildable(decls)
-    for decl in models:
-        gen.add(DECLARED_ROOT, model_outputs(decl, generic_plan(decl), registry))
-        for target in decl.targets:
-            plan, _ = target_plan(decl, target)
-            plans.append(plan)
-            gen.add(DECLARED_ROOT, build_outputs(decl, plan, registry))
-    gen.add(DECLARED_ROOT, index_outputs([d.model.name for d in models], plans))
-    gen.add(".", docs_outputs(registry))
+    for name, (generic, targets) in plans.items():
+        if only is not None and name != only:
+            continue
+        decl = decls[name]
+        gen.add(root, model_outputs(decl, generic, registry))
+        for planned in targets:
+            gen.add(root, build_outputs(decl, planned.plan, registry))
+    gen.add(root, index_outputs(list(plans), [p.plan for _, ts in plans.values() for p in ts]))
+    gen.add(docs_root, docs_outputs(registry))
     return gen
 
 
@@ -91,8 +153,13 @@ def model_generation(
     mode: str,
     out: str | None,
     registry: Registry,
+    dry_run: bool = False,
 ) -> Generation:
-    """The outputs of `generate --model M [--sm S] [--parallel P] [selection] [--mode] [--out]`."""
+    """The outputs of `generate --model M [--sm S] [--parallel P] [selection] [--mode] [--out]`.
+
+    Header commands name the build (model, SM, layout, selection), never where it was written: output
+    must not depend on the folder it lands in (ARCHITECTURE: no absolute paths).
+    """
     decl = find_model(model, decls)
     if not decl.family.runtime:
         raise DeclarationError(
@@ -104,80 +171,135 @@ def model_generation(
         declared = ", ".join(t.name for t in decl.targets) or "none"
         where = " ".join(x for x in (f"sm_{sm}" if sm is not None else "", f"parallel {parallel}" if parallel else "") if x)
         raise SelectionError(f"{model} declares no target on {where}; its targets: {declared}")
+    project = project_models(decls)
+    into_repo = out is None and model in project
+    plans = declared_plans(project) if into_repo else {model: (None, [])}
+    by_name = {p.target.name: p for p in plans[model][1]}
     gen = Generation()
     refusals, explored = [], []
     for target in targets:
         declared = target.selection.selection()
-        chosen = selection or declared
-        plan, resolution = target_plan(decl, target, chosen)
-        if not resolution.claimed:
-            refusals.append((target, plan, resolution))
-            continue
-        if plan.selection == declared.canonical(registry) and out is None:
-            continue  # the declared build: part of the declared generation below
-        explored.append(plan)
+        same = selection is None or selection.canonical(registry) == declared.canonical(registry)
+        planned = by_name.get(target.name) if same else None
+        if planned is None:
+            planned = Planned(target, *target_plan(decl, target, selection or declared))
+        if not planned.resolution.claimed:
+            refusals.append(planned)
+        elif not (same and into_repo):
+            explored.append(planned.plan)   # a declared build is written with the declared generation below
     if refusals and mode == "require":
-        lines = [f"{t.name}: refused: {'; '.join(r.refusals)}" for t, _, r in refusals]
-        raise NotHonoredError("\n".join(lines) + f"\n--mode require: nothing written (RULES TG5)")
+        lines = [f"{p.target.name}: refused: {'; '.join(p.resolution.refusals)}" for p in refusals]
+        raise NotHonoredError("\n".join(lines) + "\n--mode require: nothing written (RULES TG5)")
+    root = out or EXPLORE_ROOT
+    extra = _flags(selection) if selection else ""
+    would = "would be written" if dry_run else "written"
     if refusals:
-        root = out or EXPLORE_ROOT
-        generic = generic_plan(decl, selection)
-        extra = _flags(selection) + (f" --out {out}" if out else "")
-        gen.add(root, model_outputs(decl, generic, registry, extra))
-        gen.add(root, index_outputs([decl.model.name], explored, f"python -m codegen generate --model {model}{extra}"))
-        for target, plan, resolution in refusals:
-            gen.messages.append(f"{target.name}: refused: {'; '.join(resolution.refusals)}")
+        gen.add(root, model_outputs(decl, generic_plan(decl, selection), registry, extra))
+        for p in refusals:
+            gen.messages.append(f"{p.target.name}: refused: {'; '.join(p.resolution.refusals)}")
             gen.messages.append(f"  -> generic build: {root}/{decl.model.name}/generic (resolves each layer when it loads)")
+        count = len(refusals)
         gen.messages.append(
-            f"{len(refusals)} target{'s' if len(refusals) != 1 else ''} refused, generic build written. "
+            f"{count} target{'s' if count != 1 else ''} refused, generic build {would}. "
             "Use --mode require (MODE=require) to make this an error."
         )
     if explored:
-        root = out or EXPLORE_ROOT
-        extra = (_flags(selection) if selection else "") + (f" --out {out}" if out else "")
         for plan in explored:
             gen.add(root, build_outputs(decl, plan, registry, extra))
-            gen.messages.append(f"{plan.target}: written to {root}/{decl.model.name}/{plan.target}")
+            gen.messages.append(f"{plan.target}: {would} to {root}/{decl.model.name}/{plan.target}")
         if not refusals:
             gen.add(root, model_outputs(decl, generic_plan(decl), registry, extra))
-            gen.add(root, index_outputs([decl.model.name], explored, f"python -m codegen generate --model {model}{extra}"))
-    if out is None:
-        whole = declared_generation(decls, registry)
-        for root, outputs in whole.roots.items():
-            gen.add(root, outputs)
+    if refusals or explored:
+        gen.add(root, index_outputs([decl.model.name], explored, f"python -m codegen generate --model {model}{extra}"))
+    if into_repo:
+        whole = declared_generation(project, registry, plans=plans, only=model)
+        for name, outputs in whole.roots.items():
+            gen.add(name, outputs)
     return gen
 
 
-def apply(gen: Generation, dry_run: bool, base: Path = ROOT) -> list[str]:
-    """Write every root (or, with --dry-run, only say what would change); return the lines to print."""
+def all_generation(decls: dict[str, Declaration], registry: Registry, out: str | None) -> Generation:
+    """`generate --all`: the project's declarations into generated/ (pruning orphans), or with --out
+    every loaded declaration into OUT, the catalog and schema included under their repo paths."""
+    if out is not None:
+        return declared_generation(decls, registry, root=out, docs_root=out)
+    project = project_models(decls)
+    gen = declared_generation(project, registry)
+    gen.prune.add(DECLARED_ROOT)
+    extra = sorted({d.model.name for d in buildable(decls)} - set(project))
+    if extra:
+        gen.messages.append(
+            f"note: {', '.join(extra)} (from --models) are not written into generated/, which holds the project's "
+            "declarations; pass --out DIR to write them"
+        )
+    return gen
+
+
+def apply(gen: Generation, dry_run: bool, base: Path | None = None) -> list[str]:
+    """Verify everything that would change, then write it (or, with --dry-run, say what would change).
+
+    Verification of every root comes before any write, so a broken template leaves every tree as it was.
+    """
+    base = base if base is not None else ROOT
+    folders = {root: Path(root) if Path(root).is_absolute() else base / root for root in gen.roots}
+    pending = {root: changed(outputs, folders[root]) for root, outputs in gen.roots.items()}
+    verify_outputs([o for outs in pending.values() for o in outs])
     lines = []
     for root, outputs in gen.roots.items():
-        folder = Path(root) if Path(root).is_absolute() else base / root
+        prefix = "" if root == DOCS_ROOT else f"{root}/"
         if dry_run:
-            drift = check_outputs(outputs, folder, scan_orphans=False)
-            changing = set(drift.missing) | set(drift.stale)
-            for out in outputs:
-                lines.append(f"{'would write' if out.path in changing else 'unchanged  '} {root}/{out.path}")
+            changing = {o.path for o in pending[root]}
+            lines += [f"{'would write' if o.path in changing else 'unchanged  '} {prefix}{o.path}" for o in outputs]
+            if root in gen.prune:
+                lines += [f"would remove {prefix}{rel}" for rel in orphans(outputs, folders[root])]
             continue
-        for path in write_outputs(outputs, folder):
-            lines.append(f"wrote {root}/{path}")
+        lines += [f"wrote {prefix}{path}" for path in write_verified(pending[root], folders[root])]
+        if root in gen.prune:
+            removed, kept = remove_orphans(outputs, folders[root])
+            lines += [f"removed {prefix}{rel} (no declaration produces it)" for rel in removed]
+            lines += [f"kept {prefix}{rel}: not generated by moegen, and no declaration produces it; delete it" for rel in kept]
+    if not dry_run:
+        total = sum(len(o) for o in gen.roots.values())
+        written = sum(len(p) for p in pending.values())
+        lines.append(f"{written} file{'s' if written != 1 else ''} written, {total - written} unchanged")
     return lines
 
 
-def check(decls: dict[str, Declaration], registry: Registry | None = None, base: Path = ROOT) -> tuple[int, str]:
-    """Regenerate everything in memory and compare with the tree (GN3): exit code and report."""
+def check(decls: dict[str, Declaration], registry: Registry | None = None, base: Path | None = None) -> tuple[int, str]:
+    """Regenerate the project's declarations in memory and compare with the tree (GN3): exit code, report.
+
+    Missing, stale and orphaned files are listed under their own headings, then the diffs, then the
+    command that fixes them.
+    """
     registry = registry or load_registry()
-    gen = declared_generation(decls, registry)
-    report, dirty = [], False
+    base = base if base is not None else ROOT
+    gen = declared_generation(project_models(decls), registry)
+    found = {"missing": [], "stale": [], "orphaned": []}
+    diffs = []
     for root, outputs in gen.roots.items():
-        drift = check_outputs(outputs, base / root, scan_orphans=root != ".")
-        prefix = "" if root == "." else f"{root}/"
-        for label, items in (("missing", drift.missing), ("stale", drift.stale), ("orphaned", drift.orphaned)):
-            for item in items:
-                report.append(f"{label}: {prefix}{item}")
-        report += drift.diffs
-        dirty |= not drift.clean
-    if not dirty:
-        return 0, "generated files are up to date\n"
-    report.append(f"generated files differ from the registry; run `{ALL_COMMAND}` (or `make generate MODEL=<model>`) and commit the result")
+        prefix = "" if root == DOCS_ROOT else f"{root}/"
+        drift = check_outputs(outputs, base / root, scan_orphans=root != DOCS_ROOT, label=prefix)
+        found["missing"] += [prefix + p for p in drift.missing]
+        found["stale"] += [prefix + p for p in drift.stale]
+        found["orphaned"] += [prefix + p for p in drift.orphaned]
+        diffs += drift.diffs
+    if not any(found.values()):
+        total = sum(len(o) for o in gen.roots.values())
+        return 0, f"generated files are up to date ({total} files)\n"
+    report = []
+    headings = {
+        "missing": "missing (declared, not on disk)",
+        "stale": "stale (on disk, differs from what the registry generates)",
+        "orphaned": "orphaned (on disk, no declaration produces it)",
+    }
+    for kind, paths in found.items():
+        if paths:
+            report.append(f"{headings[kind]}: {len(paths)}")
+            report += [f"  {kind}: {p}" for p in paths]
+    report += [d.rstrip("\n") for d in diffs]
+    counts = ", ".join(f"{len(v)} {k}" for k, v in found.items() if v)
+    report.append(
+        f"generated files differ from the registry ({counts}); fix: run `{ALL_COMMAND}` (it rewrites missing and "
+        "stale files and removes orphaned ones), then commit the result"
+    )
     return 1, "\n".join(report) + "\n"

@@ -11,6 +11,7 @@ import json
 import struct
 from pathlib import Path
 
+from codegen.modelspec import normalize
 from registry.declarations import load_declaration
 from registry.errors import DeclarationError
 from registry.families import RUNTIME_FAMILIES, family_for_architecture
@@ -20,6 +21,10 @@ from registry.quant_meta import read_checkpoint_quant
 
 # config.json keys that describe the file, not the model.
 _SKIP_KEYS = {"quantization_config", "torch_dtype", "dtype", "transformers_version", "auto_map", "_name_or_path", "model_type"}
+
+# transformers >= 5 writes some keys under its canonical attribute name where the hub files (and so
+# the declarations and registry.families) use the published one: canonical -> published, per family.
+_PUBLISHED_NAMES = {"qwen3_moe": {"num_local_experts": "num_experts"}}
 
 
 def tensor_headers(folder: Path) -> dict[str, dict]:
@@ -63,10 +68,10 @@ def render_declaration(folder: Path, name: str) -> str:
         )
     quant, source = read_checkpoint_quant(folder)
     headers = tensor_headers(folder)
-    body = {k: v for k, v in sorted(config.items()) if k not in _SKIP_KEYS and v is not None}
+    body = declaration_config(config, family.name)
     lines = [
         f"# {name}: imported from {folder.name} by `python -m codegen import-checkpoint`.",
-        f"# Quant metadata read from {source}; {len(headers)} tensors in the safetensors headers.",
+        f"# Quant metadata: {_describe_source(source)}; {len(headers)} tensors in the safetensors headers.",
         "",
         "[model]",
         f"name = {json.dumps(name)}",
@@ -76,7 +81,8 @@ def render_declaration(folder: Path, name: str) -> str:
         "[config]",
     ]
     lines += [f"{key} = {_toml_value(value)}" for key, value in body.items()]
-    lines += ["", "[[checkpoints]]", f"name = {json.dumps(name)}", f"doc = {json.dumps(f'Quant metadata from {source}.')}"]
+    doc = "Unquantized (no quant metadata)." if source == "none" else f"Quant metadata read from {source}."
+    lines += ["", "[[checkpoints]]", f"name = {json.dumps(name)}", f"doc = {json.dumps(doc)}"]
     lines += _quant_lines(quant)
     drafts = family.num_draft_layers(config) if family.draft_experts_prefix else 0
     base = config.get("num_hidden_layers", 0)
@@ -86,6 +92,34 @@ def render_declaration(folder: Path, name: str) -> str:
     lines += ["", "# No targets yet: add one per deployment, e.g.", "# [[targets]]", f"# checkpoint = {json.dumps(name)}",
               "# sm = 90", '# parallel = "tp1"', '# moe_impls_honored = "*"']
     return "\n".join(lines) + "\n"
+
+
+def _describe_source(source: str) -> str:
+    return "none (unquantized)" if source == "none" else f"read from {source}"
+
+
+def declaration_config(config: dict, family: str) -> dict:
+    """The [config] table: the model's keys under their published names, nulls left out.
+
+    TOML has no null, and a key left out reads as the family default. That is harmless when the build
+    comes out the same (Qwen3-MoE's null `sliding_window` next to `use_sliding_window = false`), and a
+    silently different model otherwise (a DeepSeek-V3 with `q_lora_rank` null), which is refused.
+    """
+    renames = _PUBLISHED_NAMES.get(family, {})
+    full = {renames.get(k, k): v for k, v in config.items() if renames.get(k, k) not in _SKIP_KEYS}
+    body = {k: v for k, v in sorted(full.items()) if v is not None}
+    nulls = sorted(set(full) - set(body))
+    if nulls:
+        meant, built = normalize(family, full), normalize(family, body)
+        changed = sorted(k for k in set(meant) | set(built) if meant.get(k) != built.get(k) and k not in nulls)
+        changed += [k for k in nulls if k in built and built[k] is not None]
+        if changed:
+            raise DeclarationError(
+                f"config.json sets {', '.join(nulls)} to null; a declaration cannot state null (TOML has none) and "
+                f"leaving it out changes what the {family} build inlines ({', '.join(sorted(set(changed)))}): "
+                "this checkpoint is not supported"
+            )
+    return body
 
 
 def _quant_lines(quant: CheckpointQuant) -> list[str]:
@@ -103,7 +137,8 @@ def import_checkpoint(folder: Path, name: str | None, out: Path | None) -> tuple
     """Render, validate and (with `out`) write the declaration; returns (text, a summary of layer formats)."""
     if not (folder / "config.json").is_file():
         raise DeclarationError(f"{folder}: not a checkpoint folder (no config.json)")
-    name = name or folder.name.lower().replace("-", "_").replace(".", "_")
+    # A declaration's model name must equal its file name: `--out DIR/m.toml` names the model `m`.
+    name = name or (out.stem if out is not None else folder.name.lower().replace("-", "_").replace(".", "_"))
     text = render_declaration(folder, name)
     # Validate exactly as a declaration is validated, from a scratch file named as the model.
     import tempfile
@@ -113,10 +148,11 @@ def import_checkpoint(folder: Path, name: str | None, out: Path | None) -> tuple
         path.write_text(text, encoding="utf-8")
         decl = load_declaration(path, display=str(out or path.name))
     facts = decl.facts()
-    by_format: dict[str, list[int]] = {}
-    for site in facts.sites:
-        by_format.setdefault(site.format.format, []).append(site.layer)
-    summary = "; ".join(f"layers {span(tuple(v))}: {k}" for k, v in by_format.items())
+    by_format: dict[tuple[str, str], list[int]] = {}
+    for kind, sites in [("layers", facts.sites)] + [("draft layers", d.sites) for d in facts.drafts]:
+        for site in sites:
+            by_format.setdefault((kind, site.format.format), []).append(site.layer)
+    summary = "; ".join(f"{kind} {span(tuple(v))}: {fmt}" for (kind, fmt), v in by_format.items())
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text, encoding="utf-8")

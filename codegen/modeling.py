@@ -8,19 +8,14 @@ from __future__ import annotations
 
 from codegen.modelspec import normalize
 from codegen.plan import BuildPlan
-from codegen.render import render_python
+from codegen.render import py, render_python
 from registry.declarations import Declaration
 from registry.impls import Registry
 from registry.model_resolve import span
 
-_OPS = {
-    "deepseek_v3": ("LMHead", "MLAttention", "MLP", "MoEBlock", "RMSNorm", "RotaryEmbedding", "VocabEmbedding", "mla_softmax_scale"),
-    "glm4_moe": ("GQAttention", "LMHead", "MLP", "MoEBlock", "RMSNorm", "RotaryEmbedding", "VocabEmbedding"),
-    "qwen3_moe": ("GQAttention", "LMHead", "MLP", "MoEBlock", "RMSNorm", "RotaryEmbedding", "VocabEmbedding"),
-    "mixtral": ("GQAttention", "LMHead", "MoEBlock", "RMSNorm", "RotaryEmbedding", "VocabEmbedding"),
-    "minimax_m2": ("GQAttention", "LMHead", "MoEBlock", "RMSNorm", "RotaryEmbedding", "VocabEmbedding"),
-    "gpt_oss": ("GQAttention", "LMHead", "MoEBlock", "RMSNorm", "RotaryEmbedding", "VocabEmbedding"),
-}
+_OPS = ("LMHead", "MoEBlock", "RMSNorm", "RotaryEmbedding", "VocabEmbedding")
+_ATTENTION = {"deepseek_v3": ("MLAttention", "mla_softmax_scale")}  # every other family: GQAttention
+_SHARED_EXPERTS = ("deepseek_v3", "glm4_moe")  # a shared-experts MLP in every MoE block
 _ROUTER = {
     "deepseek_v3": "SigmoidTopKRouter", "glm4_moe": "SigmoidTopKRouter", "minimax_m2": "SigmoidTopKRouter",
     "qwen3_moe": "SoftmaxTopKRouter", "mixtral": "SoftmaxTopKRouter", "gpt_oss": "LinearTopKSoftmaxRouter",
@@ -36,19 +31,43 @@ _KEYS = {  # family -> (experts count key, expert intermediate key)
 }
 
 
-def _experts_spec(decl: Declaration) -> str:
+def _experts_spec(decl: Declaration, c: dict) -> str:
+    """MoeLayerSpec arguments in terms of the inlined constants. The registry resolved each layer against
+    `family.shape(config)`; the template's constants come from `normalize`: both must say the same."""
     shape = decl.family.shape(decl.config)
-    args = (
-        f"hidden_size={shape.hidden_size}, intermediate_size={shape.intermediate_size}, num_experts={shape.num_experts}, "
-        f"top_k={shape.top_k}, activation={shape.activation!r}, expert_bias={shape.expert_bias}"
-    )
+    experts_key, intermediate_key = _KEYS[decl.family.name]
+    inlined = (c["hidden_size"], c[intermediate_key], c[experts_key], c["num_experts_per_tok"])
+    resolved = (shape.hidden_size, shape.intermediate_size, shape.num_experts, shape.top_k)
+    if inlined != resolved:
+        from codegen.files import GenerationError
+
+        raise GenerationError(f"{decl.model.name}: the experts shape {resolved} the registry resolved differs from the constants {inlined}")
+    args = f"activation={shape.activation!r}, expert_bias={shape.expert_bias}"
     if shape.activation == "swiglu_oai":
-        args += f", swiglu_limit={float(decl.config.get('swiglu_limit', 7.0))!r}"
-    return args
+        args += f", swiglu_limit={float(c['swiglu_limit'])!r}"
+    return f"\n    hidden_size=HIDDEN_SIZE, intermediate_size=MOE_INTERMEDIATE_SIZE, num_experts=NUM_EXPERTS, top_k=TOP_K,\n    {args},\n"
+
+
+def _literal(value, width: int = 100) -> str:
+    """A constant's literal: on one line when it fits, else a dict one entry per line or a tuple wrapped."""
+    text = py(value)
+    if len(text) <= width:
+        return text
+    if isinstance(value, dict):
+        return "{\n" + "".join(f"    {py(k)}: {py(v)},\n" for k, v in sorted(value.items())) + "}"
+    lines, line = [], ""
+    for item in (py(v) for v in value):
+        if line and len(line) + len(item) + 2 > width:
+            lines.append(line)
+            line = ""
+        line += item + ", "
+    lines.append(line)
+    return "(\n" + "".join(f"    {l.rstrip()}\n" for l in lines) + ")"
 
 
 def _ignored(decl: Declaration) -> tuple[str, ...]:
-    """The draft's tensors live in the checkpoint beside the target's; the target build skips them."""
+    """The draft's tensors live in the checkpoint beside the target's; the target build skips exactly
+    those (one pattern per draft layer: a broader one would hide a misnamed tensor of the target)."""
     family = decl.family
     count = family.num_draft_layers(decl.config) if family.draft_experts_prefix else 0
     if not count:
@@ -56,7 +75,34 @@ def _ignored(decl: Declaration) -> tuple[str, ...]:
     base = decl.config["num_hidden_layers"]
     if family.draft_experts_prefix.startswith("model.layers."):
         return tuple(f"model.layers.{base + k}.*" for k in range(count))
-    return (family.draft_experts_prefix.split(".")[0] + ".*",)
+    # A separate tree (MiniMax-M2's `model.mtp_modules.{k}`): everything under each module.
+    module = family.draft_experts_prefix.split("{k}")[0]
+    return tuple(f"{module}{k}.*" for k in range(count))
+
+
+def _architecture(family: str, c: dict, plan: BuildPlan) -> list[str]:
+    """What the file builds, in two or three lines: its layers and experts, its attention and rotary."""
+    moe = tuple(l.index for l in plan.layers if l.kind == "moe")
+    dense = tuple(l.index for l in plan.layers if l.kind != "moe")
+    experts_key, _ = _KEYS[family]
+    layers = f"{len(plan.layers)} decoder layers, " + ("all MoE" if not dense else f"MoE {span(moe)}, dense {span(dense)}")
+    shared = f" + {c['n_shared_experts']} shared" if family in _SHARED_EXPERTS else ""
+    rope = c["rope"]
+    base = int(rope["base"]) if float(rope["base"]).is_integer() else rope["base"]
+    scaled = f" {rope['scaling']} x{rope['factor']:g}" if rope["scaling"] != "default" else ""
+    if family == "deepseek_v3":
+        attention = f"MLA attention, {c['num_attention_heads']} heads"
+        rotary = f"rotary{scaled} on the {rope['rotary_dim']} rope dims (base {base})"
+    else:
+        attention = f"GQA attention, {c['num_attention_heads']} query / {c['num_key_value_heads']} key-value heads of {c['head_dim']}"
+        windows = sorted({w for w in c["sliding_windows"] if w is not None})
+        if windows:
+            attention += ", sliding window " + ", ".join(str(w) for w in windows) + (" on alternate layers" if None in c["sliding_windows"] else "")
+        rotary = f"rotary{scaled} on {rope['rotary_dim']} of {c['head_dim']} dims (base {base})"
+    return [
+        f"{layers}; {c[experts_key]} routed experts, top-{c['num_experts_per_tok']}{shared}.",
+        f"{attention}; {rotary}." if len(attention) + len(rotary) < 100 else f"{attention};\n{rotary}.",
+    ]
 
 
 def _summary(plan: BuildPlan) -> list[str]:
@@ -73,6 +119,11 @@ def _summary(plan: BuildPlan) -> list[str]:
 def _context(decl: Declaration, plan: BuildPlan, registry: Registry, generic: bool) -> dict:
     family = decl.family.name
     experts_key, intermediate_key = _KEYS[family]
+    c = normalize(family, decl.config)
+    has_dense = any(l.kind != "moe" for l in plan.layers)
+    ops = set(_OPS) | set(_ATTENTION.get(family, ("GQAttention",)))
+    if has_dense or family in _SHARED_EXPERTS:
+        ops.add("MLP")
     impls = sorted({l.impl for l in plan.layers if l.impl})
     imports: dict[str, list[str]] = {}
     for impl_id in impls:
@@ -82,35 +133,40 @@ def _context(decl: Declaration, plan: BuildPlan, registry: Registry, generic: bo
         plan=plan,
         family=family,
         generic=generic,
-        c=normalize(family, decl.config),
+        c=c,
+        has_dense=has_dense,
         experts_key=experts_key,
         intermediate_key=intermediate_key,
         mlp_attr=_MLP_ATTR.get(family, "mlp"),
-        ops_imports=_OPS[family],
+        ops_imports=sorted(ops, key=lambda name: (name[0].islower(), name)),
         router_class=_ROUTER[family],
         experts_imports=sorted((m, sorted(set(n))) for m, n in imports.items()),
         implementations=[(i, registry.impl(i).class_name, registry.impl(i).family) for i in impls],
         cpu_impls=tuple(i for i in impls if registry.impl(i).cpu),
-        honored=plan.moe_impls_honored if not isinstance(plan.moe_impls_honored, list) else tuple(plan.moe_impls_honored),
-        draft_honored=plan.draft_moe_impls_honored if not isinstance(plan.draft_moe_impls_honored, list) else tuple(plan.draft_moe_impls_honored),
+        honored=_literal(plan.moe_impls_honored if not isinstance(plan.moe_impls_honored, list) else tuple(plan.moe_impls_honored)),
+        draft_honored=_literal(plan.draft_moe_impls_honored if not isinstance(plan.draft_moe_impls_honored, list) else tuple(plan.draft_moe_impls_honored)),
         ignored=_ignored(decl),
-        experts_spec=_experts_spec(decl),
+        experts_spec=_experts_spec(decl, c),
+        rope_literal=_literal(c["rope"]),
+        windows_literal=_literal(c["sliding_windows"]),
+        architecture=_architecture(family, c, plan),
     )
 
 
 def render_modeling(decl: Declaration, plan: BuildPlan, registry: Registry, command: str) -> str:
     path = f"{plan.model}/{plan.target}/modeling.py"
     context = _context(decl, plan, registry, generic=False)
-    title = f"{plan.target}: {plan.model} ({plan.family}) with its MoE kernels pre-bound for sm_{plan.sm}, parallel {plan.parallel}."
+    title = f"{plan.target}: {plan.model} ({plan.family}), its MoE kernels pre-bound for sm_{plan.sm}."
     return render_python(f"family/{plan.family}.py.j2", path, command, plan.fingerprint, f"Specialized build {plan.target}.",
-                         title=title, summary=_summary(plan), **context)
+                         title=title, summary=context["architecture"] + [""] + _summary(plan), **context)
 
 
 def render_generic(decl: Declaration, plan: BuildPlan, registry: Registry, command: str) -> str:
     path = f"{plan.model}/generic/modeling.py"
     context = _context(decl, plan, registry, generic=True)
     title = f"{plan.model} ({plan.family}), generic build: each MoE layer resolves when the model loads."
-    summary = [
+    summary = context["architecture"] + [
+        "",
         "Serves any checkpoint, SM, parallel layout and selection of this model that no specialized build",
         "claims (RULES TG5); it runs the same request and resolution code the generator does (RULES GN1).",
     ]

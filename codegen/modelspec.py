@@ -1,73 +1,107 @@
 """A declaration's HF-style config, normalized into the constants a family template inlines.
 
-Declarations hold config.json keys as checkpoints publish them (`rope_theta`, `rope_scaling`, keys
-left out when they equal the library default). This fills each family's defaults and resolves the
-rotary parameters, so templates read one flat dict. A test checks every value here against the
-transformers config class built from the same keys (the oracle for what the checkpoint means).
+Declarations hold config.json keys as checkpoints publish them: hub files use `rope_theta` /
+`rope_scaling` and leave out keys that equal the library default, while transformers >= 5 writes
+`rope_parameters`. This fills each family's defaults and resolves the rotary parameters the way
+transformers does, so templates read one flat dict. tests/generated/test_modelspec.py checks every
+value here against the transformers config class built from the same keys (the oracle for what the
+checkpoint means), and every default below against that class's own default.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# Each family's config-class defaults for the keys its template reads (transformers 5.x).
+# Each family's config-class defaults (transformers 5.x) for the keys its template reads.
 DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v3": dict(rope_theta=10000.0, attention_bias=False, rope_interleave=True, norm_topk_prob=True, n_group=8,
                         topk_group=4, routed_scaling_factor=2.5, n_shared_experts=1, rms_norm_eps=1e-6, q_lora_rank=1536,
                         tie_word_embeddings=False),
     "glm4_moe": dict(rope_theta=10000.0, partial_rotary_factor=0.5, attention_bias=False, use_qk_norm=False, norm_topk_prob=True,
                      n_group=1, topk_group=1, routed_scaling_factor=1.0, n_shared_experts=1, rms_norm_eps=1e-5,
-                     tie_word_embeddings=False),
-    "qwen3_moe": dict(rope_theta=10000.0, attention_bias=False, sliding_window=None, norm_topk_prob=False, rms_norm_eps=1e-6,
-                      decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False),
-    "mixtral": dict(rope_theta=1000000.0, head_dim=None, sliding_window=None, rms_norm_eps=1e-5, tie_word_embeddings=False),
-    "gpt_oss": dict(rope_theta=150000.0, attention_bias=True, sliding_window=128, swiglu_limit=7.0, rms_norm_eps=1e-5,
-                    tie_word_embeddings=False,
+                     num_key_value_heads=8, tie_word_embeddings=False),
+    # Qwen3-MoE's class default window (4096) applies only under use_sliding_window (off by default).
+    "qwen3_moe": dict(rope_theta=10000.0, attention_bias=False, sliding_window=4096, use_sliding_window=False,
+                      norm_topk_prob=False, rms_norm_eps=1e-6, decoder_sparse_step=1, mlp_only_layers=[],
+                      num_key_value_heads=4, tie_word_embeddings=False),
+    "mixtral": dict(rope_theta=1000000.0, head_dim=None, sliding_window=None, rms_norm_eps=1e-5, num_key_value_heads=8,
+                    tie_word_embeddings=False),
+    "gpt_oss": dict(rope_theta=150000.0, head_dim=64, attention_bias=True, sliding_window=128, swiglu_limit=7.0,
+                    rms_norm_eps=1e-5, num_key_value_heads=8, tie_word_embeddings=False,
                     rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
                                       original_max_position_embeddings=4096)),
-    "minimax_m2": dict(rope_theta=5000000.0, head_dim=128, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    "minimax_m2": dict(rope_theta=5000000.0, head_dim=128, rms_norm_eps=1e-6, num_key_value_heads=8, tie_word_embeddings=False),
 }
+
+# Raw keys that `normalize` folds into derived values (`rope`, `head_dim`, `sliding_windows`) and then
+# drops, so a template can only read the resolved value and two configs that mean the same build
+# normalize equal (import-checkpoint relies on that to tell a harmless null from a meaningful one).
+_FOLDED = ("rope_scaling", "rope_parameters", "rope_theta", "partial_rotary_factor", "rotary_dim", "sliding_window",
+           "use_sliding_window", "layer_types")
+
+
+def rope_parameters(config: dict, family: str) -> dict:
+    """The one rope dict transformers builds from a config, with its precedence: `rope_scaling` over
+    `rope_parameters` over the class default; inside it, its own `rope_theta`/`partial_rotary_factor`
+    over the top-level keys (MiniMax-M2's legacy `rotary_dim` counts as a top-level factor)."""
+    defaults = DEFAULTS[family]
+    params = dict(config.get("rope_scaling") or config.get("rope_parameters") or defaults.get("rope_scaling") or {})
+    params["rope_type"] = params.get("rope_type", params.pop("type", "default"))
+    params.setdefault("rope_theta", config.get("rope_theta", defaults["rope_theta"]))
+    factor = config.get("partial_rotary_factor", defaults.get("partial_rotary_factor"))
+    if factor is None and family == "minimax_m2" and config.get("rotary_dim"):
+        factor = config["rotary_dim"] / config.get("head_dim", defaults["head_dim"])
+    if factor is not None:
+        params.setdefault("partial_rotary_factor", factor)
+    return params
 
 
 def rope(config: dict, family: str, head_dim: int) -> dict:
     """Rotary constants: kind, base, rotary dim and the scaling parameters (yarn / llama3)."""
-    scaling = dict(config.get("rope_scaling") or DEFAULTS[family].get("rope_scaling") or {})
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if family == "minimax_m2" and config.get("rotary_dim"):
-        rotary_dim = config["rotary_dim"]
-    else:
-        factor = config.get("partial_rotary_factor", DEFAULTS[family].get("partial_rotary_factor", 1.0))
-        rotary_dim = int(head_dim * factor)
-    out = {"scaling": kind, "base": float(config.get("rope_theta", DEFAULTS[family]["rope_theta"])), "rotary_dim": rotary_dim}
+    params = rope_parameters(config, family)
+    kind = params["rope_type"]
+    # MLA rotates only its qk_rope_head_dim part, which `head_dim` already is for deepseek_v3.
+    rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    out = {"scaling": kind, "base": float(params["rope_theta"]), "rotary_dim": rotary_dim}
     if kind == "yarn":
         out |= {
-            "factor": float(scaling["factor"]),
-            "original_max_position_embeddings": int(scaling["original_max_position_embeddings"]),
-            "beta_fast": float(scaling.get("beta_fast") or 32.0),
-            "beta_slow": float(scaling.get("beta_slow") or 1.0),
-            "truncate": bool(scaling.get("truncate", True)),
-            "mscale": scaling.get("mscale"),
-            "mscale_all_dim": scaling.get("mscale_all_dim"),
-            "attention_factor": scaling.get("attention_factor"),
+            "factor": float(params["factor"]),
+            "original_max_position_embeddings": int(params["original_max_position_embeddings"]),
+            # transformers reads `or` here: an explicit null or 0 also means the paper's value.
+            "beta_fast": float(params.get("beta_fast") or 32.0),
+            "beta_slow": float(params.get("beta_slow") or 1.0),
+            "truncate": bool(params.get("truncate", True)),
         }
+        # Optional YaRN magnitude terms: absent means the paper's attention factor (runtime/ops/rotary.py).
+        out |= {k: params[k] for k in ("mscale", "mscale_all_dim", "attention_factor") if params.get(k) is not None}
     elif kind == "llama3":
-        out |= {k: scaling[k] for k in ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor")}
+        out |= {k: params[k] for k in ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor")}
+    elif kind != "default":
+        raise ValueError(f"{family}: rope type {kind!r} is not one the runtime builds (default, yarn, llama3)")
     return out
 
 
 def normalize(family: str, config: dict) -> dict:
-    """Defaults filled in, head_dim and rotary parameters resolved, one layer kind per layer."""
-    c = DEFAULTS[family] | {k: v for k, v in config.items()}
-    c.pop("rope_scaling", None)
+    """Defaults filled in, head_dim and rotary parameters resolved, one attention window per layer."""
+    c = DEFAULTS[family] | dict(config)
     if family == "deepseek_v3":
         head_dim = c["qk_rope_head_dim"]
     else:
         head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         c["head_dim"] = head_dim
     c["rope"] = rope(config, family, head_dim)
+    layers = c["num_hidden_layers"]
     if family == "gpt_oss":
-        types = c.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(c["num_hidden_layers"])]
+        # gpt-oss alternates sliding and full attention, starting with sliding, unless layer_types says.
+        types = c.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
         c["sliding_windows"] = tuple(c["sliding_window"] if t == "sliding_attention" else None for t in types)
+    elif family == "qwen3_moe":
+        c["sliding_windows"] = (c["sliding_window"] if c["use_sliding_window"] else None,) * layers
+    elif family == "mixtral":
+        c["sliding_windows"] = (c["sliding_window"],) * layers
     else:
-        c["sliding_windows"] = (c.get("sliding_window"),) * c["num_hidden_layers"]
+        # GLM-4 MoE, MiniMax-M2 and DeepSeek-V3 attend over the whole context whatever the config says.
+        c["sliding_windows"] = (None,) * layers
+    for key in _FOLDED:
+        c.pop(key, None)
     return c

@@ -2,6 +2,7 @@
 
 Paths are relative to a *generated root* (the repo's `generated/`, `build/generated/` for exploration,
 or `--out DIR`); every import inside that root is package-relative, so a root works under any name.
+A build's model files carry the claims `codegen.verify` checks before they are written (RULES GN1).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from codegen import catalog, schema
 from codegen.files import MARKER, Output
 from codegen.plan import BuildPlan
 from codegen.render import render_python
+from codegen.verify import GENERIC_CLAIMS, claims_for_draft, claims_for_modeling
 from registry.declarations import Declaration
 from registry.impls import Registry
 
@@ -41,11 +43,11 @@ def build_outputs(decl: Declaration, plan: BuildPlan, registry: Registry, extra:
     out = [
         Output(f"{base}/__init__.py", render_python("package_init.py.j2", f"{base}/__init__.py", command, plan.fingerprint,
                                                    f"Specialized build {plan.target}.", docstring=f"Specialized build {plan.target} of {plan.model}.")),
-        Output(f"{base}/modeling.py", render_modeling(decl, plan, registry, command)),
+        Output(f"{base}/modeling.py", render_modeling(decl, plan, registry, command), claims_for_modeling(plan, registry)),
         _json_output(f"{base}/resolution.json", plan.resolution, command, plan.fingerprint),
     ]
     if plan.draft is not None:
-        out.append(Output(f"{base}/draft.py", render_draft(decl, plan, registry, command)))
+        out.append(Output(f"{base}/draft.py", render_draft(decl, plan, registry, command), claims_for_draft(plan, registry)))
     return out
 
 
@@ -68,7 +70,7 @@ def model_outputs(decl: Declaration, generic: BuildPlan, registry: Registry, ext
             facts=generic.facts, draft_configs=draft_configs)),
         Output(f"{name}/generic/__init__.py", render_python("package_init.py.j2", f"{name}/generic/__init__.py", command, generic.fingerprint,
                                                            f"Generic build of {name}.", docstring=f"Generic build of {name}: resolves each layer when it loads.")),
-        Output(f"{name}/generic/modeling.py", render_generic(decl, generic, registry, command)),
+        Output(f"{name}/generic/modeling.py", render_generic(decl, generic, registry, command), GENERIC_CLAIMS),
     ]
 
 
@@ -99,6 +101,8 @@ def index_outputs(models: list[str], plans: list[BuildPlan], command: str = ALL_
                                                  "The router's index of every build in this package.", models=entries, targets=targets)),
         Output("__init__.py", render_python("generated_init.py.j2", "__init__.py", command, fingerprint,
                                             "load_model: the router over the builds in this package.")),
+        Output("run.py", render_python("run.py.j2", "run.py", command, fingerprint,
+                                       "The launcher: python -m generated.run (runtime.launch).")),
     ]
 
 

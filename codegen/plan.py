@@ -2,19 +2,22 @@
 
 A plan is what templates read and what the fingerprint hashes: its canonical JSON (sorted keys, the
 selection in canonical form) changes exactly when the generated code would (RULES GN2). Equivalent
-spellings of a tactic give equal plans.
+spellings of a tactic give equal plans: a tactic is re-spelled canonically before it is resolved,
+so even the messages a plan records (warnings, refusals) read the same whatever the user typed.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 
 from registry.declarations import Declaration, TargetDecl, resolve_target
 from registry.model_resolve import ANY, ModelResolution
+from registry.resolve import moe_impl_request
 from registry.router import bound_layers, facts_to_literal
-from registry.selection import Selection, check_selection
+from registry.selection import DRAFT_TACTIC, TARGET_TACTIC, Selection, check_selection
 
 
 @dataclass(frozen=True)
@@ -57,10 +60,11 @@ class BuildPlan:
     facts: dict = field(default_factory=dict)   # generic builds: facts per checkpoint
 
     def canonical(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"), default=list)
+        return json.dumps(self, sort_keys=True, separators=(",", ":"), default=_plain)
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
+        # Cached: every file of a build carries it, and hashing the plan is most of planning's cost.
         return "sha256:" + hashlib.sha256(self.canonical().encode("utf-8")).hexdigest()
 
     @property
@@ -74,6 +78,27 @@ class BuildPlan:
         if self.draft:
             paths |= {l.class_path for l in self.draft.layers if l.class_path}
         return tuple(sorted(paths))
+
+
+def _plain(value):
+    """JSON for what json.dumps does not know: dataclasses as their fields (as `asdict` gives them,
+    without its deep copy), sets sorted so the text never depends on hash order."""
+    if is_dataclass(value):
+        return {f.name: getattr(value, f.name) for f in fields(value)}
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    raise TypeError(f"cannot put {type(value).__name__} into a build plan")
+
+
+def canonical_spelling(selection: Selection) -> Selection:
+    """The stored selection with each tactic in its shortest canonical spelling (pinned tokens in
+    field order): `Eager.TORCH`, `torch.eager` and `*.eager.torch` all become `torch.eager`."""
+    def respell(tactic, field_name):
+        if tactic is None:
+            return None
+        return moe_impl_request(tactic, field=field_name).tactic.compact
+
+    return replace(selection, tactic=respell(selection.tactic, TARGET_TACTIC), draft_tactic=respell(selection.draft_tactic, DRAFT_TACTIC))
 
 
 def camel(*parts: str) -> str:
@@ -129,7 +154,7 @@ def _draft_plan(decl: Declaration, selection: Selection, resolution: ModelResolu
 
 def target_plan(decl: Declaration, target: TargetDecl, selection: Selection | None = None) -> tuple[BuildPlan, ModelResolution]:
     """The plan of one target under `selection` (default: its declared selection)."""
-    selection = check_selection(selection or target.selection.selection())
+    selection = canonical_spelling(check_selection(selection or target.selection.selection()))
     resolution = resolve_target(decl, target, selection)
     layout = decl.layout(target.parallel)
     plan = BuildPlan(
@@ -155,7 +180,8 @@ def target_plan(decl: Declaration, target: TargetDecl, selection: Selection | No
 
 def generic_plan(decl: Declaration, selection: Selection | None = None) -> BuildPlan:
     """The model's generic build: it resolves each layer when it loads; `selection` is its default."""
-    selection = check_selection(selection or Selection())
+    selection = canonical_spelling(check_selection(selection or Selection()))
+    moe = set(decl.family.moe_layers(decl.config))
     return BuildPlan(
         model=decl.model.name,
         family=decl.family.name,
@@ -167,7 +193,7 @@ def generic_plan(decl: Declaration, selection: Selection | None = None) -> Build
         layout=None,
         selection=selection.canonical(),
         config=decl.config,
-        layers=tuple(LayerPlan(i, "moe" if i in set(decl.family.moe_layers(decl.config)) else "dense") for i in range(decl.config["num_hidden_layers"])),
+        layers=tuple(LayerPlan(i, "moe" if i in moe else "dense") for i in range(decl.config["num_hidden_layers"])),
         draft=None,
         moe_impls_honored=None,
         draft_moe_impls_honored=None,

@@ -2,17 +2,20 @@
 
 Every value that reaches generated code goes through the `py` filter (a Python literal via repr, with
 dict keys sorted), so no string from a declaration is ever pasted into code unquoted (names are also
-checked as identifier-safe tokens when declarations load).
+checked as identifier-safe tokens when declarations load). Rendered Python is parsed and its claims
+checked by `codegen.files` before it is written (RULES GN1, GN4), not here: what `check` finds
+unchanged on disk was verified when it was written.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from pathlib import Path
 
 import jinja2
 
-from codegen.files import normalize, python_header, verify_python
+from codegen.files import normalize, python_header
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
@@ -27,6 +30,12 @@ def py(value) -> str:
             return f"({inner},)" if len(value) == 1 else f"({inner})"
         return f"[{inner}]"
     if isinstance(value, float):
+        # TOML has nan and inf, whose repr is a bare name in Python: spell them as expressions.
+        # (Fixed: `x = nan` rendered, parsed, and failed with NameError when the build was imported.)
+        if math.isnan(value):
+            return "float('nan')"
+        if math.isinf(value):
+            return "float('inf')" if value > 0 else "-float('inf')"
         return repr(value)
     if value is None or isinstance(value, (bool, int, str)):
         return repr(value)
@@ -42,14 +51,19 @@ def environment() -> jinja2.Environment:
         trim_blocks=True,
         lstrip_blocks=True,
         autoescape=False,
+        auto_reload=False,   # one process renders one tree: never stat a template twice
     )
     env.filters["py"] = py
     return env
 
 
 def render_python(template: str, path: str, command: str, fingerprint: str, what: str, **context) -> str:
-    """Render a Python template with the generated header, normalize it and parse it (GN2, GN4)."""
+    """Render a Python template with the generated header and normalize it (GN2); `path` names it in errors."""
     header = python_header(command, fingerprint, what)
-    text = normalize(environment().get_template(template).render(header=header, **context))
-    verify_python(path, text)
-    return text
+    try:
+        text = environment().get_template(template).render(header=header, **context)
+    except jinja2.UndefinedError as exc:
+        from codegen.files import GenerationError
+
+        raise GenerationError(f"{path}: template {template} uses an undefined value: {exc.message} (RULES GN4)") from None
+    return normalize(text)

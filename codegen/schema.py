@@ -1,8 +1,11 @@
 """The deployment-config JSON schema (`schemas/deploy-config.schema.json`), generated from the registry.
 
-It accepts exactly the selections runtime validation accepts (RULES GN5): literals and tactics are
-spelled out from the registry's tokens, with Python's `str.strip()` and `str.lower()` folded into the
-patterns (whitespace around the value, any case of each letter), TA4 and RQ4 as conditions.
+It accepts exactly the selections runtime validation (`registry.deploy.parse_deploy`) accepts (RULES
+GN5): literals and tactics are spelled out from the registry's tokens, with Python's `str.strip()` and
+`str.lower()` folded into the patterns (the exact set of characters strip() removes, every character
+whose lower() is the letter), TA4 and RQ4 as conditions, and `eplb` as pydantic reads a boolean. The
+patterns use only what ECMA-262 and Python's `re` read alike (no `\\s`, whose sets differ), so any
+validator agrees with the runtime.
 """
 
 from __future__ import annotations
@@ -25,6 +28,18 @@ COMMAND = "python -m codegen schema"
 # every code point to keep this table true.
 NON_ASCII_FOLDS = {"k": "\u212a"}
 
+# Every character str.strip() removes (str.isspace()), as a regex class body. Spelled out because
+# `\s` means another set in ECMA-262 (it adds U+FEFF, lacks U+001C-U+001F and U+0085). A test scans
+# every code point to keep this table true.
+WHITESPACE = r"\t\n\u000b\f\r\u001c-\u0020\u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+WS = f"[{WHITESPACE}]"
+# The end of the text. Not `$`: Python's also matches before a final newline, ECMA-262's does not.
+END = r"(?![\s\S])"
+
+# The strings pydantic reads as a boolean, in any case (its lax mode; besides true/false, 0 and 1).
+TRUE_STRINGS = ("1", "on", "t", "true", "y", "yes")
+FALSE_STRINGS = ("0", "f", "false", "n", "no", "off")
+
 
 def folded(char: str) -> str:
     """A regex class of every character whose lower() is `char` (k: k, K and the Kelvin sign)."""
@@ -40,20 +55,34 @@ def _token(token: str) -> str:
 
 def tactic_pattern(impls: tuple[Impl, ...], tokens: dict[str, str]) -> str:
     """Segments of one implementation's tokens or `*`, at most four, no token twice, not only `*`."""
-    seg_any = r"[^.\s]+"
+    seg_any = f"[^.{WHITESPACE}]+"
     per_impl = []
     for impl in impls:
         seg = "(?:" + "|".join(_token(impl.id.segment(f)) for f in FIELDS) + r"|\*)"
         per_impl.append(f"{seg}(?:\\.{seg}){{0,3}}")
     twice = "".join(
-        rf"(?!(?:{seg_any}\.)*{_token(t)}\.(?:{seg_any}\.)*{_token(t)}(?=\.|\s*$))" for t in sorted(tokens)
+        rf"(?!(?:{seg_any}\.)*{_token(t)}\.(?:{seg_any}\.)*{_token(t)}(?=\.|{WS}*{END}))" for t in sorted(tokens)
     )
-    only_wildcards = r"(?!\*(?:\.\*)*\s*$)"
-    return r"^\s*" + only_wildcards + twice + "(?:" + "|".join(per_impl) + r")\s*$"
+    only_wildcards = rf"(?!\*(?:\.\*)*{WS}*{END})"
+    return f"^{WS}*" + only_wildcards + twice + "(?:" + "|".join(per_impl) + f"){WS}*{END}"
 
 
 def _literal_pattern(literals) -> str:
-    return r"^\s*(?:" + "|".join(re.escape(l) for l in literals) + r")\s*$"
+    # Literals are stripped, never case-folded: `auto` is refused (RULES RQ1).
+    return f"^{WS}*(?:" + "|".join(re.escape(l) for l in literals) + f"){WS}*{END}"
+
+
+def _words(words) -> str:
+    return "^(?:" + "|".join("".join(f"[{c}{c.upper()}]" if c.isalpha() else c for c in w) for w in words) + ")" + END
+
+
+def _boolean(description: str) -> dict:
+    """A boolean as pydantic's lax mode reads one: true/false, 0/1 (0.0/1.0 too), or a yes/no word."""
+    return {"anyOf": [{"type": "boolean"}, {"enum": [0, 1]}, {"type": "string", "pattern": _words(TRUE_STRINGS + FALSE_STRINGS)}],
+            "description": description}
+
+
+TRUTHY = {"anyOf": [{"const": True}, {"const": 1}, {"type": "string", "pattern": _words(TRUE_STRINGS)}]}
 
 
 def render_schema(registry: Registry) -> str:
@@ -81,7 +110,7 @@ def render_schema(registry: Registry) -> str:
                 "properties": {
                     "backend": {"type": "string", "pattern": _literal_pattern(registry.literals), "description": moe_fields["backend"].description},
                     "tactic": {"anyOf": [tactic, {"type": "null"}], "description": moe_fields["tactic"].description},
-                    "eplb": {"type": "boolean", "description": moe_fields["eplb"].description},
+                    "eplb": _boolean(moe_fields["eplb"].description),
                 },
                 "allOf": [
                     {   # TA4: a tactic only next to backend AUTO (an absent backend is AUTO).
@@ -89,7 +118,7 @@ def render_schema(registry: Registry) -> str:
                         "then": {"properties": {"backend": auto_only}},
                     },
                     {   # RQ4: under dynamic EPLB only implementations that consume the plans.
-                        "if": {"properties": {"eplb": {"const": True}}, "required": ["eplb"]},
+                        "if": {"properties": {"eplb": TRUTHY}, "required": ["eplb"]},
                         "then": {
                             "properties": {
                                 "backend": {"type": "string", "pattern": _literal_pattern(eplb_literals) if eplb_literals else "(?!)"},

@@ -31,9 +31,11 @@ def check_placement(target: str, sm: int, device, implementations: dict, cpu_ids
     if dev.type == "cpu":
         gpu_only = sorted(i for i in implementations if i not in cpu_ids)
         if gpu_only:
+            verb = "does" if len(gpu_only) == 1 else "do"
             raise PlacementError(
-                f"{target} is built for sm_{sm} and binds {', '.join(gpu_only)}, which does not run on the host CPU; "
-                f"construct it on an sm_{sm} GPU, or load the generic build through generated.load_model"
+                f"{target} is built for sm_{sm} and binds {', '.join(gpu_only)}, which {verb} not run on the host CPU; "
+                f"construct it on an sm_{sm} GPU, or load through generated.load_model with a selection whose "
+                "implementations run on the CPU (moe_config.backend TORCH or VANILLA)"
             )
         return
     if dev.type == "cuda":

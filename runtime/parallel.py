@@ -1,4 +1,4 @@
-"""The parallel layout of a build as numbers (`Layout`) and the collectives its ops call by group name.
+"""The parallel layout of a build as numbers (`Layout`), the process groups it runs on, and the collectives its ops call by group name.
 
 Ops are built from plain integers (`tp_rank`, `tp_size`, ...) that a generated build inlines, and at run
 time they name the group they reduce over ("tp", "dp", "world") instead of holding a process group: the
@@ -9,9 +9,17 @@ returns its input unchanged when its group has one rank.
 Rank numbering (docs/runtime.md): `world = tp * dp` and `moe_tp * ep == world`. Attention: rank `r` is
 `tp_rank = r % tp` in data-parallel replica `dp_rank = r // tp`, so the ranks of one TP group are
 consecutive. MoE: `ep_rank = r // moe_tp`, `moe_tp_rank = r % moe_tp` over the whole world.
+
+A generated build calls `attach_layout` first thing in its constructor: it refuses a torch.distributed
+world that does not fit the layout (naming both) before any collective runs, creates this layout's
+groups once per process, and makes every forward re-check the world and re-select the layout's groups,
+so one process may hold builds of several layouts of the same world (the tests run tp2 and dep2 builds
+side by side) without one build reducing over the other's groups.
 """
 from __future__ import annotations
 
+import datetime
+import os
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +28,18 @@ import torch.distributed as dist
 TP = "tp"
 DP = "dp"
 WORLD = "world"
+
+# Bounded waits: process-group creation and every collective give up after this many seconds, so a
+# rank whose peer died or hangs fails with an error instead of waiting forever. Generous by default
+# because ranks reach their first collective only after loading their shard of a checkpoint, and
+# loads of different ranks may finish minutes apart; `set_timeout` (the launcher's --timeout) or
+# MOEGEN_DIST_TIMEOUT_S overrides it.
+DEFAULT_TIMEOUT_S = 300.0
+_timeout_s: float | None = None
+
+
+class LayoutError(ValueError):
+    """A build's layout does not fit the torch.distributed world it runs in; the message names both."""
 
 
 @dataclass(frozen=True)
@@ -72,8 +92,33 @@ class Layout:
         return tuple(d * self.tp + tp_rank for d in range(self.dp))
 
 
-# Process groups by name, filled by `init_process_groups`. "world" is the default group.
-_GROUPS: dict[str, dist.ProcessGroup | None] = {}
+# -- timeouts -------------------------------------------------------------------------------------------
+
+
+def set_timeout(seconds: float) -> None:
+    """The bound on process-group creation and collectives for groups created from now on."""
+    global _timeout_s
+    if not seconds > 0:
+        raise ValueError(f"the collective timeout must be positive, got {seconds}")
+    _timeout_s = float(seconds)
+
+
+def timeout() -> datetime.timedelta:
+    """The configured bound: `set_timeout`, else MOEGEN_DIST_TIMEOUT_S, else DEFAULT_TIMEOUT_S."""
+    seconds = _timeout_s if _timeout_s is not None else float(os.environ.get("MOEGEN_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
+    return datetime.timedelta(seconds=seconds)
+
+
+# -- the world and its groups --------------------------------------------------------------------------
+
+# A group of one rank needs no process group and no collective: marked, never created.
+_ONE = "one rank"
+# Groups per layout, created once per process (new_group is collective and NCCL communicators are a
+# resource); valid only for the default group they were created under, remembered in _owner.
+_CACHE: dict[Layout, dict[str, object]] = {}
+_owner: object = None
+# The layout whose groups "tp"/"dp" name right now.
+_active: Layout | None = None
 
 
 def distributed_world() -> int:
@@ -83,25 +128,106 @@ def distributed_world() -> int:
     return dist.get_world_size()
 
 
+def ranks(n: int) -> str:
+    """`1 rank`, `2 ranks`: how every message counts ranks."""
+    return f"{n} rank{'s' if n != 1 else ''}"
+
+
+def check_world(build: str, parallel: str, layout: Layout, rank: int) -> None:
+    """Refuse a torch.distributed world that does not fit `layout` (or a rank that is not this process's).
+
+    Without torch.distributed nothing is checked here: constructing one rank's shard (on the meta device,
+    to inspect or test loading) needs no world; running it does, and `use_layout` checks that.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size()
+    if world != layout.world:
+        raise LayoutError(f"{build} needs {ranks(layout.world)} ({parallel}); torch.distributed has {world}")
+    here = dist.get_rank()
+    if here != rank:
+        raise LayoutError(
+            f"{build} was built for rank {rank}, but this process is rank {here} of torch.distributed; "
+            f"build it with rank=torch.distributed.get_rank()"
+        )
+
+
+def _new_groups(layout: Layout) -> dict[str, object]:
+    """This rank's "tp" and "dp" groups; every rank creates every multi-rank group, in the same order."""
+    groups: dict[str, object] = {WORLD: None}
+    rank = dist.get_rank()
+    for name, size, count, members, mine in (
+        (TP, layout.tp, layout.dp, layout.tp_group_ranks, layout.dp_rank(rank)),
+        (DP, layout.dp, layout.tp, layout.dp_group_ranks, layout.tp_rank(rank)),
+    ):
+        if size == 1:
+            groups[name] = _ONE
+        elif size == layout.world:
+            groups[name] = None  # the default group: nothing to create
+        else:
+            for i in range(count):
+                group = dist.new_group(list(members(i)), timeout=timeout())
+                if i == mine:
+                    groups[name] = group
+    return groups
+
+
 def init_process_groups(layout: Layout) -> None:
-    """Create and register this rank's "tp" and "dp" groups (every rank must call it, in the same order)."""
+    """Create this rank's "tp" and "dp" groups of `layout` (once per process) and make them the active ones.
+
+    Every rank must call it for the same layouts in the same order (group creation is collective).
+    """
+    global _owner, _active
     world = distributed_world()
     if world != layout.world:
-        raise ValueError(f"torch.distributed has {world} ranks but the layout {layout} needs {layout.world}")
-    _GROUPS.clear()
-    if world == 1:
-        return
-    rank = dist.get_rank()
-    # new_group is collective over the default group: every rank creates every group, keeps its own.
-    for d in range(layout.dp):
-        group = dist.new_group(list(layout.tp_group_ranks(d)))
-        if layout.dp_rank(rank) == d:
-            _GROUPS[TP] = group
-    for t in range(layout.tp):
-        group = dist.new_group(list(layout.dp_group_ranks(t)))
-        if layout.tp_rank(rank) == t:
-            _GROUPS[DP] = group
-    _GROUPS[WORLD] = None
+        raise LayoutError(f"torch.distributed has {world} ranks but the layout {layout} needs {layout.world}")
+    if world > 1:
+        if _owner is not dist.group.WORLD:
+            _CACHE.clear()
+            _owner = dist.group.WORLD
+        if layout not in _CACHE:
+            _CACHE[layout] = _new_groups(layout)
+    _active = layout
+
+
+def use_layout(build: str, parallel: str, layout: Layout) -> None:
+    """Before running a build: its world must be up and fit it; its groups become the active ones."""
+    global _active
+    if layout.world > 1 and distributed_world() == 1:
+        raise LayoutError(
+            f"{build} needs {ranks(layout.world)} ({parallel}); torch.distributed is not initialised "
+            f"(run it through python -m generated.run --nproc {layout.world}, or torchrun)"
+        )
+    world = distributed_world()
+    if world != layout.world:
+        raise LayoutError(f"{build} needs {ranks(layout.world)} ({parallel}); torch.distributed has {world}")
+    if world > 1 and (_owner is not dist.group.WORLD or layout not in _CACHE):
+        init_process_groups(layout)  # a build constructed before torch.distributed came up
+    _active = layout
+
+
+class _UseLayout:
+    """Forward pre-hook of a build: `use_layout` before every forward (a plain object so builds deep-copy)."""
+
+    def __init__(self, build: str, parallel: str, layout: Layout) -> None:
+        self.build, self.parallel, self.layout = build, parallel, layout
+
+    def __call__(self, module, args) -> None:
+        use_layout(self.build, self.parallel, self.layout)
+
+
+def attach_layout(model: torch.nn.Module, build: str, parallel: str, layout: Layout, rank: int) -> None:
+    """What a build's constructor does first: check the world, set up its groups, re-check at each forward.
+
+    `build` and `parallel` only name things in messages (e.g. `tiny_qwen3_moe_bf16__sm_90__tp2`, `tp2`).
+    """
+    check_world(build, parallel, layout, rank)
+    if distributed_world() > 1:
+        init_process_groups(layout)
+    model.register_forward_pre_hook(_UseLayout(build, parallel, layout))
+
+
+# -- collectives ---------------------------------------------------------------------------------------
 
 
 def _resolve(group) -> tuple[int, dist.ProcessGroup | None]:
@@ -111,9 +237,12 @@ def _resolve(group) -> tuple[int, dist.ProcessGroup | None]:
     if isinstance(group, str):
         if group == WORLD:
             return dist.get_world_size(), None
-        if group not in _GROUPS:
+        groups = _CACHE.get(_active) if _owner is dist.group.WORLD else None
+        if groups is None or group not in groups:
             raise RuntimeError(f"process group {group!r} is not set up; call runtime.parallel.init_process_groups")
-        group = _GROUPS[group]
+        group = groups[group]
+        if group is _ONE:
+            return 1, None
     return dist.get_world_size(group), group
 
 

@@ -9,6 +9,7 @@ implementations have narrow eligibility on purpose.
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 
 from registry.declarations import load_models
@@ -19,6 +20,17 @@ from registry.impls import DEFAULT_PATH, load_registry, load_registry_text
 from registry.model import DraftFacts, ModelFacts, MoeSite
 
 REAL_TEXT = DEFAULT_PATH.read_text(encoding="utf-8")
+
+
+def _without_family(text: str, family: str) -> str:
+    """`text` less the family's table and its `[[impl]]` entries (blank-line separated blocks)."""
+    blocks = re.split(r"\n(?=\[)", text)
+    return "\n".join(b for b in blocks
+                     if not b.startswith(f"[families.{family}]") and f'family = "{family}"' not in b)
+
+
+# The project registry without its own CUPY family: the synthetic one below replaces it.
+REAL_TEXT_WITHOUT_CUPY = _without_family(REAL_TEXT, "CUPY")
 
 _CAPS = {
     "expert_bias": "true",
@@ -93,8 +105,8 @@ CUPY_TEXT = (
 
 @functools.lru_cache(maxsize=None)
 def cupy_registry():
-    """The project registry plus the CUPY family."""
-    return load_registry_text(REAL_TEXT + CUPY_TEXT, "cupy-registry.toml")
+    """The project registry with the synthetic CUPY family in place of its own."""
+    return load_registry_text(REAL_TEXT_WITHOUT_CUPY + CUPY_TEXT, "cupy-registry.toml")
 
 
 def real_registry():

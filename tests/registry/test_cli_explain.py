@@ -142,6 +142,7 @@ def test_an_invalid_layout_or_an_unknown_model_exits_2(capsys):
     assert code == 2
     assert err == (
         "error: moe_config.backend 'AUTO' found no implementation for routed layers 1-92 (format w4a16_mxfp4 on sm_100): "
+        "cupy.mma.grouped_gemm.w4a16_mxfp4: SM_UNSUPPORTED (sm_100 is not among sm_90); "
         "torch.grouped_mm.grouped_gemm.w4a16_mxfp4: TOPOLOGY_UNSUPPORTED (intermediate size 2048 does not split over "
         "moetp3); torch.eager.loop.w4a16_mxfp4: TOPOLOGY_UNSUPPORTED (intermediate size 2048 does not split over "
         "moetp3) (RULES LR4)\n"

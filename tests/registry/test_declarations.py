@@ -29,7 +29,7 @@ def test_every_project_declaration_loads_and_covers_the_scenarios():
     assert {
         "kimi_k3", "glm_5_2", "minimax_m3", "deepseek_r1_nvfp4", "qwen3_next", "nemotron_h", "deepseek_v4_flash",
         "qwen3_8_flash", "gpt_oss_120b", "deepseek_v3", "qwen3_30b_a3b", "mixtral_8x7b", "tiny_deepseek_v3",
-        "tiny_qwen3_moe", "tiny_mixtral", "tiny_gpt_oss", "tiny_glm4_moe", "tiny_minimax_m2",
+        "tiny_qwen3_moe", "tiny_mixtral", "tiny_gpt_oss", "tiny_glm4_moe", "tiny_minimax_m2", "tiny_kimi_k3",
     } == set(models)
     assert {p.stem for p in MODELS_DIR.glob("*.toml")} == set(models)
     for name in ("tiny_deepseek_v3", "tiny_qwen3_moe", "tiny_mixtral", "tiny_gpt_oss", "tiny_glm4_moe", "tiny_minimax_m2"):

@@ -125,7 +125,7 @@ def test_every_entry_declares_family_priority_format_sms_cpu_capabilities_constr
     for impl in registry.impls:
         assert impl.family in registry.family_names
         assert impl.format == impl.id.quant and impl.format in RUN_FORMATS
-        assert impl.cpu is True  # both project families run on the host CPU, declared explicitly
+        assert impl.cpu is (impl.family != "CUPY")  # TORCH and VANILLA run on the host CPU too; CUPY does not
         assert impl.capabilities.activations
         assert impl.constraints.hidden_multiple >= 1 and impl.constraints.intermediate_multiple >= 1
         assert re.fullmatch(r"runtime\.experts\.[a-z_]+:[A-Z][A-Za-z0-9]*Experts", impl.class_path)
@@ -135,11 +135,12 @@ def test_every_entry_declares_family_priority_format_sms_cpu_capabilities_constr
 def test_the_project_families_are_torch_the_fallback_and_vanilla_which_never_degrades():
     # RULES ID4
     registry = real_registry()
-    assert registry.literals == (AUTO, "TORCH", "VANILLA")
+    assert registry.literals == (AUTO, "CUPY", "TORCH", "VANILLA")
     assert registry.fallback_family == "TORCH"
     assert registry.family("VANILLA").never_degrades and not registry.family("VANILLA").fallback
     assert {str(i.id).rsplit(".", 1)[0] for i in registry.impls if i.family == "VANILLA"} == {"torch.eager.loop"}
     assert {str(i.id).rsplit(".", 1)[0] for i in registry.impls if i.family == "TORCH"} == {"torch.grouped_mm.grouped_gemm"}
+    assert {str(i.id).rsplit(".", 1)[0] for i in registry.impls if i.family == "CUPY"} == {"cupy.mma.grouped_gemm"}
 
 
 def test_the_impls_are_kept_in_global_priority_order_whatever_the_file_order():

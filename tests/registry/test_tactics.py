@@ -70,8 +70,9 @@ def test_each_token_finds_its_own_field():
 
 def test_a_one_segment_tactic_names_every_implementation_with_that_token_in_priority_order():
     # RULES TA1, RQ2
-    assert ids(parse_tactic("bf16", R)) == ["torch.grouped_mm.grouped_gemm.bf16", "torch.eager.loop.bf16"]
-    assert ids(parse_tactic("torch", R)) == ALL_IDS
+    assert ids(parse_tactic("bf16", R)) == ["cupy.mma.grouped_gemm.bf16", "torch.grouped_mm.grouped_gemm.bf16",
+                                            "torch.eager.loop.bf16"]
+    assert ids(parse_tactic("torch", R)) == [i for i in ALL_IDS if i.startswith("torch.")]
 
 
 def test_a_full_id_is_a_tactic_naming_exactly_that_implementation():
@@ -95,7 +96,7 @@ def test_an_empty_tactic_is_refused_with_an_example(text):
     # RULES TA2
     assert refusal(text) == (
         "moe_config.tactic is empty: name at least one segment of provider.technique.kernel_name.quant, "
-        "e.g. 'grouped_mm.bf16' (RULES TA2)"
+        "e.g. 'cupy.bf16' (RULES TA2)"
     )
 
 
@@ -131,8 +132,8 @@ def test_an_unknown_token_is_refused_with_the_closest_known_tokens():
 def test_an_unknown_token_with_nothing_close_lists_the_known_tokens_per_field():
     # RULES TA2
     assert refusal("xyzzy") == (
-        "moe_config.tactic 'xyzzy': unknown segment 'xyzzy'; known segments: provider torch; technique eager, "
-        "grouped_mm; kernel_name grouped_gemm, loop; quant bf16, fp8_block_scales, nvfp4, w4a16_mxfp4, "
+        "moe_config.tactic 'xyzzy': unknown segment 'xyzzy'; known segments: provider cupy, torch; technique eager, "
+        "grouped_mm, mma; kernel_name grouped_gemm, loop; quant bf16, fp8_block_scales, nvfp4, w4a16_mxfp4, "
         "w4a16_nvfp4, w4a8_mxfp4_fp8, w4a8_mxfp4_mxfp8 (RULES TA2)"
     )
 
@@ -183,7 +184,7 @@ def test_a_refusal_names_the_field_that_set_the_tactic():
 def test_refusals_happen_at_parse_time_from_the_registry_alone():
     # RULES TA2: parse_tactic needs only the registry (no model, no checkpoint); refused before loading.
     with pytest.raises(TacticError):
-        parse_tactic("cupy", R)
+        parse_tactic("cutlass", R)
     assert ids(parse_tactic("cupy", cupy_registry()), cupy_registry()) == [
         "cupy.mma.grouped_gemm.bf16",
         "cupy.mma.grouped_gemm.nvfp4",
@@ -210,6 +211,11 @@ def test_every_registered_id_has_a_shortest_query_that_matches_exactly_that_id()
 def test_the_shortest_queries_of_the_project_registry():
     # RULES TA3: ties go to the canonical field order (technique before kernel_name), then lexicographic.
     assert {str(i.id): shortest_query(i.id, R) for i in R.impls} == {
+        "cupy.mma.grouped_gemm.bf16": "cupy.bf16",
+        "cupy.mma.grouped_gemm.fp8_block_scales": "cupy.fp8_block_scales",
+        "cupy.mma.grouped_gemm.w4a16_mxfp4": "cupy.w4a16_mxfp4",
+        "cupy.mma.grouped_gemm.w4a8_mxfp4_fp8": "cupy.w4a8_mxfp4_fp8",
+        "cupy.mma.grouped_gemm.w4a16_nvfp4": "cupy.w4a16_nvfp4",
         "torch.grouped_mm.grouped_gemm.bf16": "grouped_mm.bf16",
         "torch.grouped_mm.grouped_gemm.fp8_block_scales": "grouped_mm.fp8_block_scales",
         "torch.grouped_mm.grouped_gemm.w4a16_mxfp4": "grouped_mm.w4a16_mxfp4",
@@ -217,7 +223,7 @@ def test_the_shortest_queries_of_the_project_registry():
         "torch.eager.loop.bf16": "eager.bf16",
         "torch.eager.loop.fp8_block_scales": "eager.fp8_block_scales",
         "torch.eager.loop.w4a16_mxfp4": "eager.w4a16_mxfp4",
-        "torch.eager.loop.w4a8_mxfp4_fp8": "w4a8_mxfp4_fp8",
+        "torch.eager.loop.w4a8_mxfp4_fp8": "torch.w4a8_mxfp4_fp8",
         "torch.eager.loop.w4a8_mxfp4_mxfp8": "w4a8_mxfp4_mxfp8",
         "torch.eager.loop.w4a16_nvfp4": "eager.w4a16_nvfp4",
         "torch.eager.loop.nvfp4": "nvfp4",

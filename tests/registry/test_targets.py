@@ -112,11 +112,11 @@ moe_impls_honored = [
 
 def test_an_unknown_honored_id_makes_the_declaration_invalid_with_file_line_and_field(tmp_path):
     # RULES TG2
-    path = write(tmp_path / "m.toml", TARGET_DECL.format(name="m", sm=90, second="cupy.mma.grouped_gemm.bf16"))
+    path = write(tmp_path / "m.toml", TARGET_DECL.format(name="m", sm=90, second="cutlass.mma.grouped_gemm.bf16"))
     with pytest.raises(DeclarationError) as info:
         load_declaration(path)
     assert str(info.value) == (
-        f"{path}:21: targets[0].moe_impls_honored: 'cupy.mma.grouped_gemm.bf16' is not a registered implementation "
+        f"{path}:21: targets[0].moe_impls_honored: 'cutlass.mma.grouped_gemm.bf16' is not a registered implementation "
         "id; see `python -m codegen catalog` (RULES TG2)"
     )
 
@@ -255,7 +255,8 @@ def test_auto_binds_the_first_eligible_honored_candidate():
     (report,) = resolution.reports
     assert resolution.claimed and report.winner == KIMI_ID
     assert [r.describe() for r in report.rejections] == [
-        "torch.eager.loop.w4a16_mxfp4: NOT_HONORED (the target honors only torch.grouped_mm.grouped_gemm.w4a16_mxfp4)"
+        "cupy.mma.grouped_gemm.w4a16_mxfp4: SM_UNSUPPORTED (sm_100 is not among sm_90)",
+        "torch.eager.loop.w4a16_mxfp4: NOT_HONORED (the target honors only torch.grouped_mm.grouped_gemm.w4a16_mxfp4)",
     ]
 
 
@@ -281,7 +282,8 @@ def test_a_target_declaring_no_draft_set_claims_a_draft_backend_and_binds_its_wi
 def test_any_honors_every_selection_and_does_not_restrict_the_winner():
     # RULES TG4
     resolution = resolve_model(facts(site(0, "bf16")), Selection(), sm=90, honored="*")
-    assert resolution.claimed and resolution.reports[0].alternatives == ("torch.eager.loop.bf16",)
+    assert resolution.claimed and resolution.reports[0].alternatives == ("torch.grouped_mm.grouped_gemm.bf16",
+                                                                         "torch.eager.loop.bf16")
 
 
 def test_an_empty_honored_list_honors_nothing():
@@ -289,5 +291,5 @@ def test_an_empty_honored_list_honors_nothing():
     resolution = resolve_model(facts(site(0, "bf16")), Selection(), sm=90, honored=frozenset())
     assert resolution.refusals == (
         "moe_config.backend 'AUTO': no eligible honored implementation for routed layers 0 (format bf16 on sm_90); "
-        "it would run torch.grouped_mm.grouped_gemm.bf16, and this target honors no implementation (RULES TG4)",
+        "it would run cupy.mma.grouped_gemm.bf16, and this target honors no implementation (RULES TG4)",
     )

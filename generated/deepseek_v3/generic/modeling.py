@@ -4,6 +4,9 @@
 # Generic build of deepseek_v3.
 """deepseek_v3 (deepseek_v3), generic build: each MoE layer resolves when the model loads.
 
+61 decoder layers, MoE 3-60, dense 0-2; 256 routed experts, top-8 + 1 shared.
+MLA attention, 128 heads; rotary yarn x40 on the 64 rope dims (base 10000).
+
 Serves any checkpoint, SM, parallel layout and selection of this model that no specialized build
 claims (RULES TG5); it runs the same request and resolution code the generator does (RULES GN1).
 """
@@ -15,7 +18,7 @@ from runtime import build
 from runtime.checkpoint import load_checkpoint
 from runtime.experts.base import ExpertParallel, MoeLayerSpec
 from runtime.ops import LMHead, MLAttention, MLP, MoEBlock, RMSNorm, RotaryEmbedding, VocabEmbedding, mla_softmax_scale
-from runtime.parallel import Layout
+from runtime.parallel import Layout, attach_layout
 from runtime.routing import SigmoidTopKRouter
 from registry.generic import resolve_build
 
@@ -43,15 +46,31 @@ KV_LORA_RANK = 512
 QK_NOPE_HEAD_DIM = 128
 QK_ROPE_HEAD_DIM = 64
 V_HEAD_DIM = 128
-ATTENTION_BIAS = False
-INTERLEAVED_ROPE = True
+ATTENTION_BIAS = False  # on q_a_proj and kv_a_proj_with_mqa only
+INTERLEAVED_ROPE = True  # the checkpoint's MLA weights rotate (x[2i], x[2i+1]) pairs
+# qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 when the context is stretched.
 SOFTMAX_SCALE = mla_softmax_scale(192, 'yarn', 40.0, 1.0)
 RMS_NORM_EPS = 1e-06
-ROPE = {'attention_factor': None, 'base': 10000.0, 'beta_fast': 32.0, 'beta_slow': 1.0, 'factor': 40.0, 'mscale': 1.0, 'mscale_all_dim': 1.0, 'original_max_position_embeddings': 4096, 'rotary_dim': 64, 'scaling': 'yarn', 'truncate': True}
+ROPE = {
+    'base': 10000.0,
+    'beta_fast': 32.0,
+    'beta_slow': 1.0,
+    'factor': 40.0,
+    'mscale': 1.0,
+    'mscale_all_dim': 1.0,
+    'original_max_position_embeddings': 4096,
+    'rotary_dim': 64,
+    'scaling': 'yarn',
+    'truncate': True,
+}
 
-# Checkpoint tensors this build does not read (its draft's, which draft.py loads).
+# Checkpoint tensors this build does not read: the MTP layers, a draft's (the loader refuses any other).
 IGNORED_TENSORS = ('model.layers.61.*',)
-EXPERTS_SPEC = MoeLayerSpec(hidden_size=7168, intermediate_size=2048, num_experts=256, top_k=8, activation='silu_glu', expert_bias=False)
+# The experts shape every MoE layer is built for: the one its implementation was resolved against.
+EXPERTS_SPEC = MoeLayerSpec(
+    hidden_size=HIDDEN_SIZE, intermediate_size=MOE_INTERMEDIATE_SIZE, num_experts=NUM_EXPERTS, top_k=TOP_K,
+    activation='silu_glu', expert_bias=False,
+)
 
 
 def expert_parallel(layout, rank):
@@ -127,7 +146,9 @@ class Backbone(nn.Module):
     def __init__(self, experts_classes, layout, rank, dtype):
         super().__init__()
         tp_rank = layout.tp_rank(rank)
-        self.embed_tokens = VocabEmbedding(vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, tp_rank=tp_rank, tp_size=layout.tp, dtype=dtype)
+        self.embed_tokens = VocabEmbedding(
+            vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, tp_rank=tp_rank, tp_size=layout.tp, dtype=dtype
+        )
         self.layers = nn.ModuleList(make_layer(i, cls, layout, rank, dtype) for i, cls in enumerate(experts_classes))
         self.norm = make_norm(dtype)
         self.rotary_emb = make_rotary()
@@ -141,15 +162,23 @@ class DeepseekV3GenericForCausalLM(nn.Module):
         # The generic build's one difference from a specialized one: it resolves its layers here, at
         # load, through the same resolution code the generator runs (RULES GN1).
         built = resolve_build(FACTS, PROFILES, checkpoint, sm, parallel, NUM_TARGET_LAYERS, selection)
-        implementations = {i: (build.load_class(path), family) for i, (path, family) in built.implementations.items()}
+        # Only the target layers' implementations: the resolution also names the draft's, which this
+        # build neither constructs (RULES LR6 logs what is constructed) nor has to run.
+        implementations = {
+            i: (build.load_class(path), family) for i, (path, family) in built.implementations.items() if i in built.layers
+        }
         self.layout, self.resolution = Layout(*built.layout), built.resolution
         build.check_placement(TARGET, sm, device, implementations, built.cpu_impls)
+        # Refuses a torch.distributed world that does not fit the layout before any collective runs.
+        attach_layout(self, TARGET, parallel, self.layout, rank)
         build.check_rank(TARGET, self.layout.world, rank)
         experts_classes = tuple(implementations[i][0] if i else None for i in built.layers)
         self.rank, self.device, self.dtype = rank, torch.device(device), dtype
         with torch.device(device):
             self.model = Backbone(experts_classes, self.layout, rank, dtype)
-            self.lm_head = LMHead(hidden_size=HIDDEN_SIZE, vocab_size=VOCAB_SIZE, tp_rank=self.layout.tp_rank(rank), tp_size=self.layout.tp, dtype=dtype)
+            self.lm_head = LMHead(
+                hidden_size=HIDDEN_SIZE, vocab_size=VOCAB_SIZE, tp_rank=self.layout.tp_rank(rank), tp_size=self.layout.tp, dtype=dtype
+            )
         build.log_implementations(implementations)
 
     def new_caches(self, batch_size, max_seq_len):

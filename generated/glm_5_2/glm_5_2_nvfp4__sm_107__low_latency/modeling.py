@@ -2,7 +2,10 @@
 # Regenerate: python -m codegen generate --model glm_5_2 --sm 107 --parallel low_latency
 # Fingerprint: sha256:63d839e46e79cf9b78850d665d6130e571c95b619e1b51d3c4ddd41d62fbdd75
 # Specialized build glm_5_2_nvfp4__sm_107__low_latency.
-"""glm_5_2_nvfp4__sm_107__low_latency: glm_5_2 (glm4_moe) with its MoE kernels pre-bound for sm_107, parallel low_latency.
+"""glm_5_2_nvfp4__sm_107__low_latency: glm_5_2 (glm4_moe), its MoE kernels pre-bound for sm_107.
+
+92 decoder layers, MoE 3-91, dense 0-2; 160 routed experts, top-8 + 1 shared.
+GQA attention, 96 query / 8 key-value heads of 128; rotary on 64 of 128 dims (base 1000000).
 
 MoE routed layers 3-91 (nvfp4): torch.eager.loop.nvfp4 (VANILLA, preferred).
 """
@@ -14,7 +17,7 @@ from runtime import build
 from runtime.checkpoint import load_checkpoint
 from runtime.experts.base import ExpertParallel, MoeLayerSpec
 from runtime.ops import GQAttention, LMHead, MLP, MoEBlock, RMSNorm, RotaryEmbedding, VocabEmbedding
-from runtime.parallel import Layout
+from runtime.parallel import Layout, attach_layout
 from runtime.routing import SigmoidTopKRouter
 from runtime.experts.vanilla import TorchEagerNvfp4Experts
 
@@ -34,7 +37,6 @@ IMPLEMENTATIONS = {
 # Bound implementations that also run on the host CPU (the build runs there when all of them do).
 CPU_IMPLS = ('torch.eager.loop.nvfp4',)
 
-NUM_TARGET_LAYERS = 92
 VOCAB_SIZE = 151552
 HIDDEN_SIZE = 5120
 INTERMEDIATE_SIZE = 12288  # dense layers
@@ -49,8 +51,8 @@ ROUTED_SCALING_FACTOR = 2.5
 NUM_HEADS = 96
 NUM_KV_HEADS = 8
 HEAD_DIM = 128
-ATTENTION_BIAS = True
-QK_NORM = 'none'
+ATTENTION_BIAS = True  # q, k and v projections (o_proj has none)
+QK_NORM = 'none'  # per-head RMSNorm of q and k (use_qk_norm)
 RMS_NORM_EPS = 1e-05
 ROPE = {'base': 1000000.0, 'rotary_dim': 64, 'scaling': 'default'}
 
@@ -149,9 +151,13 @@ LAYERS = (
     'torch.eager.loop.nvfp4',
     'torch.eager.loop.nvfp4',
 )
-# Checkpoint tensors this build does not read (its draft's, which draft.py loads).
+# Checkpoint tensors this build does not read: the MTP layers, a draft's (the loader refuses any other).
 IGNORED_TENSORS = ('model.layers.92.*',)
-EXPERTS_SPEC = MoeLayerSpec(hidden_size=5120, intermediate_size=1536, num_experts=160, top_k=8, activation='silu_glu', expert_bias=False)
+# The experts shape every MoE layer is built for: the one its implementation was resolved against.
+EXPERTS_SPEC = MoeLayerSpec(
+    hidden_size=HIDDEN_SIZE, intermediate_size=MOE_INTERMEDIATE_SIZE, num_experts=NUM_EXPERTS, top_k=TOP_K,
+    activation='silu_glu', expert_bias=False,
+)
 
 
 def expert_parallel(layout, rank):
@@ -226,7 +232,9 @@ class Backbone(nn.Module):
     def __init__(self, experts_classes, layout, rank, dtype):
         super().__init__()
         tp_rank = layout.tp_rank(rank)
-        self.embed_tokens = VocabEmbedding(vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, tp_rank=tp_rank, tp_size=layout.tp, dtype=dtype)
+        self.embed_tokens = VocabEmbedding(
+            vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, tp_rank=tp_rank, tp_size=layout.tp, dtype=dtype
+        )
         self.layers = nn.ModuleList(make_layer(i, cls, layout, rank, dtype) for i, cls in enumerate(experts_classes))
         self.norm = make_norm(dtype)
         self.rotary_emb = make_rotary()
@@ -239,13 +247,17 @@ class Glm52Nvfp4Sm107LowLatencyForCausalLM(nn.Module):
         super().__init__()
         self.layout = LAYOUT
         build.check_placement(TARGET, SM, device, IMPLEMENTATIONS, CPU_IMPLS)
+        # Refuses a torch.distributed world that does not fit the layout before any collective runs.
+        attach_layout(self, TARGET, PARALLEL, LAYOUT, rank)
         build.check_rank(TARGET, LAYOUT.world, rank)
         experts_classes = tuple(IMPLEMENTATIONS[i][0] if i else None for i in LAYERS)
         implementations = IMPLEMENTATIONS
         self.rank, self.device, self.dtype = rank, torch.device(device), dtype
         with torch.device(device):
             self.model = Backbone(experts_classes, self.layout, rank, dtype)
-            self.lm_head = LMHead(hidden_size=HIDDEN_SIZE, vocab_size=VOCAB_SIZE, tp_rank=self.layout.tp_rank(rank), tp_size=self.layout.tp, dtype=dtype)
+            self.lm_head = LMHead(
+                hidden_size=HIDDEN_SIZE, vocab_size=VOCAB_SIZE, tp_rank=self.layout.tp_rank(rank), tp_size=self.layout.tp, dtype=dtype
+            )
         build.log_implementations(implementations)
 
     def new_caches(self, batch_size, max_seq_len):

@@ -2,7 +2,10 @@
 # Regenerate: python -m codegen generate --model minimax_m3 --sm 107 --parallel tp8
 # Fingerprint: sha256:c8bb69bba6ee93825ed492a6a9b393aa7344baa88d322f3d036a00897680dff2
 # Specialized build minimax_m3_nvfp4__sm_107__tp8.
-"""minimax_m3_nvfp4__sm_107__tp8: minimax_m3 (minimax_m2) with its MoE kernels pre-bound for sm_107, parallel tp8.
+"""minimax_m3_nvfp4__sm_107__tp8: minimax_m3 (minimax_m2), its MoE kernels pre-bound for sm_107.
+
+62 decoder layers, all MoE; 256 routed experts, top-8.
+GQA attention, 48 query / 8 key-value heads of 128; rotary on 64 of 128 dims (base 5000000).
 
 MoE routed layers 0-61 (nvfp4): torch.eager.loop.nvfp4 (VANILLA, preferred).
 """
@@ -14,7 +17,7 @@ from runtime import build
 from runtime.checkpoint import load_checkpoint
 from runtime.experts.base import ExpertParallel, MoeLayerSpec
 from runtime.ops import GQAttention, LMHead, MoEBlock, RMSNorm, RotaryEmbedding, VocabEmbedding
-from runtime.parallel import Layout
+from runtime.parallel import Layout, attach_layout
 from runtime.routing import SigmoidTopKRouter
 from runtime.experts.vanilla import TorchEagerNvfp4Experts
 
@@ -34,7 +37,6 @@ IMPLEMENTATIONS = {
 # Bound implementations that also run on the host CPU (the build runs there when all of them do).
 CPU_IMPLS = ('torch.eager.loop.nvfp4',)
 
-NUM_TARGET_LAYERS = 62
 VOCAB_SIZE = 200064
 HIDDEN_SIZE = 3072
 MOE_INTERMEDIATE_SIZE = 1536
@@ -111,9 +113,13 @@ LAYERS = (
     'torch.eager.loop.nvfp4',
     'torch.eager.loop.nvfp4',
 )
-# Checkpoint tensors this build does not read (its draft's, which draft.py loads).
-IGNORED_TENSORS = ('model.*',)
-EXPERTS_SPEC = MoeLayerSpec(hidden_size=3072, intermediate_size=1536, num_experts=256, top_k=8, activation='silu_glu', expert_bias=False)
+# Checkpoint tensors this build does not read: the MTP layers, a draft's (the loader refuses any other).
+IGNORED_TENSORS = ('model.mtp_modules.0.*', 'model.mtp_modules.1.*', 'model.mtp_modules.2.*')
+# The experts shape every MoE layer is built for: the one its implementation was resolved against.
+EXPERTS_SPEC = MoeLayerSpec(
+    hidden_size=HIDDEN_SIZE, intermediate_size=MOE_INTERMEDIATE_SIZE, num_experts=NUM_EXPERTS, top_k=TOP_K,
+    activation='silu_glu', expert_bias=False,
+)
 
 
 def expert_parallel(layout, rank):
@@ -180,7 +186,9 @@ class Backbone(nn.Module):
     def __init__(self, experts_classes, layout, rank, dtype):
         super().__init__()
         tp_rank = layout.tp_rank(rank)
-        self.embed_tokens = VocabEmbedding(vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, tp_rank=tp_rank, tp_size=layout.tp, dtype=dtype)
+        self.embed_tokens = VocabEmbedding(
+            vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, tp_rank=tp_rank, tp_size=layout.tp, dtype=dtype
+        )
         self.layers = nn.ModuleList(make_layer(i, cls, layout, rank, dtype) for i, cls in enumerate(experts_classes))
         self.norm = make_norm(dtype)
         self.rotary_emb = make_rotary()
@@ -193,13 +201,17 @@ class MinimaxM3Nvfp4Sm107Tp8ForCausalLM(nn.Module):
         super().__init__()
         self.layout = LAYOUT
         build.check_placement(TARGET, SM, device, IMPLEMENTATIONS, CPU_IMPLS)
+        # Refuses a torch.distributed world that does not fit the layout before any collective runs.
+        attach_layout(self, TARGET, PARALLEL, LAYOUT, rank)
         build.check_rank(TARGET, LAYOUT.world, rank)
         experts_classes = tuple(IMPLEMENTATIONS[i][0] if i else None for i in LAYERS)
         implementations = IMPLEMENTATIONS
         self.rank, self.device, self.dtype = rank, torch.device(device), dtype
         with torch.device(device):
             self.model = Backbone(experts_classes, self.layout, rank, dtype)
-            self.lm_head = LMHead(hidden_size=HIDDEN_SIZE, vocab_size=VOCAB_SIZE, tp_rank=self.layout.tp_rank(rank), tp_size=self.layout.tp, dtype=dtype)
+            self.lm_head = LMHead(
+                hidden_size=HIDDEN_SIZE, vocab_size=VOCAB_SIZE, tp_rank=self.layout.tp_rank(rank), tp_size=self.layout.tp, dtype=dtype
+            )
         build.log_implementations(implementations)
 
     def new_caches(self, batch_size, max_seq_len):

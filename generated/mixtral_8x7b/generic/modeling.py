@@ -4,6 +4,9 @@
 # Generic build of mixtral_8x7b.
 """mixtral_8x7b (mixtral), generic build: each MoE layer resolves when the model loads.
 
+32 decoder layers, all MoE; 8 routed experts, top-2.
+GQA attention, 32 query / 8 key-value heads of 128; rotary on 128 of 128 dims (base 1000000).
+
 Serves any checkpoint, SM, parallel layout and selection of this model that no specialized build
 claims (RULES TG5); it runs the same request and resolution code the generator does (RULES GN1).
 """
@@ -15,7 +18,7 @@ from runtime import build
 from runtime.checkpoint import load_checkpoint
 from runtime.experts.base import ExpertParallel, MoeLayerSpec
 from runtime.ops import GQAttention, LMHead, MoEBlock, RMSNorm, RotaryEmbedding, VocabEmbedding
-from runtime.parallel import Layout
+from runtime.parallel import Layout, attach_layout
 from runtime.routing import SoftmaxTopKRouter
 from registry.generic import resolve_build
 
@@ -31,17 +34,25 @@ HIDDEN_SIZE = 4096
 MOE_INTERMEDIATE_SIZE = 14336
 NUM_EXPERTS = 8
 TOP_K = 2
-NORM_TOPK_PROB = True
+NORM_TOPK_PROB = True  # Mixtral always renormalizes its top-k weights
 NUM_HEADS = 32
 NUM_KV_HEADS = 8
 HEAD_DIM = 128
 RMS_NORM_EPS = 1e-05
 ROPE = {'base': 1000000.0, 'rotary_dim': 128, 'scaling': 'default'}
-SLIDING_WINDOWS = (None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None)
+# Per decoder layer: the attention window, None for full attention.
+SLIDING_WINDOWS = (
+    None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,
+    None, None, None, None, None, None, None, None, None, None, None, None, None, None, None, None,
+)
 
-# Checkpoint tensors this build does not read (its draft's, which draft.py loads).
+# Checkpoint tensors this build does not read: none (the loader refuses any unread tensor).
 IGNORED_TENSORS = ()
-EXPERTS_SPEC = MoeLayerSpec(hidden_size=4096, intermediate_size=14336, num_experts=8, top_k=2, activation='silu_glu', expert_bias=False)
+# The experts shape every MoE layer is built for: the one its implementation was resolved against.
+EXPERTS_SPEC = MoeLayerSpec(
+    hidden_size=HIDDEN_SIZE, intermediate_size=MOE_INTERMEDIATE_SIZE, num_experts=NUM_EXPERTS, top_k=TOP_K,
+    activation='silu_glu', expert_bias=False,
+)
 
 
 def expert_parallel(layout, rank):
@@ -105,7 +116,9 @@ class Backbone(nn.Module):
     def __init__(self, experts_classes, layout, rank, dtype):
         super().__init__()
         tp_rank = layout.tp_rank(rank)
-        self.embed_tokens = VocabEmbedding(vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, tp_rank=tp_rank, tp_size=layout.tp, dtype=dtype)
+        self.embed_tokens = VocabEmbedding(
+            vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, tp_rank=tp_rank, tp_size=layout.tp, dtype=dtype
+        )
         self.layers = nn.ModuleList(make_layer(i, cls, layout, rank, dtype) for i, cls in enumerate(experts_classes))
         self.norm = make_norm(dtype)
         self.rotary_emb = make_rotary()
@@ -119,15 +132,23 @@ class Mixtral8x7bGenericForCausalLM(nn.Module):
         # The generic build's one difference from a specialized one: it resolves its layers here, at
         # load, through the same resolution code the generator runs (RULES GN1).
         built = resolve_build(FACTS, PROFILES, checkpoint, sm, parallel, NUM_TARGET_LAYERS, selection)
-        implementations = {i: (build.load_class(path), family) for i, (path, family) in built.implementations.items()}
+        # Only the target layers' implementations: the resolution also names the draft's, which this
+        # build neither constructs (RULES LR6 logs what is constructed) nor has to run.
+        implementations = {
+            i: (build.load_class(path), family) for i, (path, family) in built.implementations.items() if i in built.layers
+        }
         self.layout, self.resolution = Layout(*built.layout), built.resolution
         build.check_placement(TARGET, sm, device, implementations, built.cpu_impls)
+        # Refuses a torch.distributed world that does not fit the layout before any collective runs.
+        attach_layout(self, TARGET, parallel, self.layout, rank)
         build.check_rank(TARGET, self.layout.world, rank)
         experts_classes = tuple(implementations[i][0] if i else None for i in built.layers)
         self.rank, self.device, self.dtype = rank, torch.device(device), dtype
         with torch.device(device):
             self.model = Backbone(experts_classes, self.layout, rank, dtype)
-            self.lm_head = LMHead(hidden_size=HIDDEN_SIZE, vocab_size=VOCAB_SIZE, tp_rank=self.layout.tp_rank(rank), tp_size=self.layout.tp, dtype=dtype)
+            self.lm_head = LMHead(
+                hidden_size=HIDDEN_SIZE, vocab_size=VOCAB_SIZE, tp_rank=self.layout.tp_rank(rank), tp_size=self.layout.tp, dtype=dtype
+            )
         build.log_implementations(implementations)
 
     def new_caches(self, batch_size, max_seq_len):

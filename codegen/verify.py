@@ -1,0 +1,357 @@
+"""Claims about rendered Python, checked with libcst before a file is written (RULES GN1, GN4).
+
+A generated file is only as trustworthy as what can be proven about it from its text: every rendered
+Python file must parse, and a build's model file must import nothing but torch, the runtime's ops and
+the experts classes of the implementations its plan binds (never the resolver), with the constants it
+declares equal to the plan's. libcst, not `ast`, because it is the concrete tree the rules name and
+keeps every token of the text it checks. A violated claim is a `GenerationError` naming the file, the
+line and the claim; `verify_tree` runs the same claims on a checked-in tree for the tests.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from codegen.files import GenerationError
+
+SPECIALIZED, DRAFT, GENERIC = "specialized", "draft", "generic"
+
+# Calls that would load a class by name at run time, and so undo the pre-binding of a specialized build.
+_DYNAMIC_LOADERS = ("__import__", "import_module", "load_class")
+# The only runtime.experts module a build may import besides its bound classes' modules: the contract.
+_EXPERTS_CONTRACT = "runtime.experts.base"
+
+
+@dataclass(frozen=True)
+class Claims:
+    """What a build file must say, computed from its plan and the registry (never from the template).
+
+    `honored`/`draft_honored` are the literals `MOE_IMPLS_HONORED`/`DRAFT_MOE_IMPLS_HONORED` must hold;
+    `implementations` maps each bound id to (experts class name, family); `experts` maps each bound
+    class's module to the class names the file must import from it, and nothing else from
+    `runtime.experts`; `layers` is `LAYERS` (modeling.py), `draft_layers` is `DRAFT_LAYERS` (draft.py).
+    """
+
+    kind: str
+    honored: object = None
+    draft_honored: object = None
+    implementations: dict = field(default_factory=dict)
+    experts: dict = field(default_factory=dict)
+    layers: tuple | None = None
+    draft_layers: tuple | None = None
+
+
+def claims_for_modeling(plan, registry) -> Claims:
+    """A specialized `modeling.py`: its target layers' bound ids, classes, honored sets and layer table."""
+    ids = sorted({l.impl for l in plan.layers if l.impl})
+    return Claims(
+        kind=SPECIALIZED,
+        honored=_honored(plan.moe_impls_honored),
+        draft_honored=_honored(plan.draft_moe_impls_honored),
+        implementations={i: (registry.impl(i).class_name, registry.impl(i).family) for i in ids},
+        experts=_experts(ids, registry),
+        layers=tuple(l.impl for l in plan.layers),
+    )
+
+
+def claims_for_draft(plan, registry) -> Claims:
+    """A specialized `draft.py`: the draft layers' bound ids and classes."""
+    ids = sorted({l.impl for l in plan.draft.layers if l.impl})
+    return Claims(
+        kind=DRAFT,
+        draft_honored=_honored(plan.draft_moe_impls_honored),
+        implementations={i: (registry.impl(i).class_name, registry.impl(i).family) for i in ids},
+        experts=_experts(ids, registry),
+        draft_layers=tuple((l.index, l.impl) for l in plan.draft.layers),
+    )
+
+
+GENERIC_CLAIMS = Claims(kind=GENERIC)
+
+
+def _honored(value):
+    # The template writes a declared list as a tuple; "*" and None as they are.
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _experts(ids, registry) -> dict:
+    modules: dict[str, set[str]] = {}
+    for impl_id in ids:
+        impl = registry.impl(impl_id)
+        modules.setdefault(impl.module, set()).add(impl.class_name)
+    return {m: frozenset(n) for m, n in modules.items()}
+
+
+def verify_python(path: str, text: str, claims: Claims | None = None) -> None:
+    """Parse `text` (GN4) and, given claims, check them (GN1); raise `GenerationError` naming path:line."""
+    import libcst  # lazily: a `check` with nothing to write never pays for it
+
+    try:
+        module = libcst.parse_module(text)
+    except libcst.ParserSyntaxError as exc:
+        raise GenerationError(f"{path}:{exc.raw_line}: the template rendered invalid Python: {exc.message}") from None
+    if claims is not None:
+        _Checker(path, module, claims).run()
+
+
+@dataclass
+class _Import:
+    node: object
+    module: str          # absolute dotted name, or "." / ".." prefixed for relative imports
+    names: tuple[str, ...] | None   # None: `import X` (the module itself); ("*",): a star import
+
+
+class _Checker:
+    def __init__(self, path: str, module, claims: Claims):
+        self.path, self.module, self.claims = path, module, claims
+        self._positions = None
+
+    # -- reporting ---------------------------------------------------------------------------------
+    def line(self, node) -> int:
+        if node is None:
+            return 1
+        if self._positions is None:
+            import libcst.metadata as meta
+
+            # Positions are computed only when a claim fails: the clean path never pays for them.
+            wrapper = meta.MetadataWrapper(self.module, unsafe_skip_copy=True)
+            self._positions = wrapper.resolve(meta.PositionProvider)
+        return self._positions[node].start.line
+
+    def fail(self, node, claim: str, detail: str) -> None:
+        raise GenerationError(f"{self.path}:{self.line(node)}: claim '{claim}' does not hold: {detail} (RULES GN1)")
+
+    # -- collection ----------------------------------------------------------------------------------
+    def run(self) -> None:
+        import libcst
+
+        imports: list[_Import] = []
+        calls: list[tuple[object, str]] = []
+        code = self.module.code_for_node
+        for node in _walk(self.module):
+            if isinstance(node, libcst.Import):
+                imports += [_Import(node, code(alias.name), None) for alias in node.names]
+            elif isinstance(node, libcst.ImportFrom):
+                dots = "." * len(node.relative)
+                name = dots + (code(node.module) if node.module is not None else "")
+                names = ("*",) if isinstance(node.names, libcst.ImportStar) else tuple(code(a.name) for a in node.names)
+                imports.append(_Import(node, name, names))
+            elif isinstance(node, libcst.Call):
+                func = node.func
+                if isinstance(func, libcst.Name):
+                    calls.append((node, func.value))
+                elif isinstance(func, libcst.Attribute):
+                    calls.append((node, func.attr.value))
+        if self.claims.kind == GENERIC:
+            self.check_generic(imports)
+            return
+        self.check_imports(imports)
+        for node, name in calls:
+            if name in _DYNAMIC_LOADERS:
+                self.fail(node, "a specialized build is pre-bound", f"it calls {name}(), which loads code by name at run time")
+        self.check_constants()
+
+    # -- imports ---------------------------------------------------------------------------------------
+    def check_imports(self, imports: list[_Import]) -> None:
+        """Only torch, runtime ops and the bound experts classes; never the resolver (GN1)."""
+        allowed = "imports only torch, runtime ops and its bound experts classes"
+        seen: dict[str, set[str]] = {}
+        first_experts = None
+        for imp in imports:
+            mod = imp.module
+            root = mod.split(".")[0]
+            if root == "registry":
+                self.fail(imp.node, "never imports the resolver", f"it imports {mod}")
+            if mod == "__future__" or root == "torch":
+                continue
+            if mod.startswith("."):
+                # draft.py reads its target's constants and layer builders from the sibling modeling.py.
+                if self.claims.kind == DRAFT and mod == ".modeling":
+                    continue
+                self.fail(imp.node, allowed, f"it imports {mod}")
+            if root != "runtime":
+                self.fail(imp.node, allowed, f"it imports {mod}")
+            targets = [mod] if imp.names is None or mod != "runtime" else [f"runtime.{n}" for n in imp.names]
+            for target in targets:
+                parts = target.split(".")
+                if len(parts) > 1 and parts[1] == "kernels":
+                    self.fail(imp.node, allowed, f"it imports {target} (kernels are reached through the bound experts classes)")
+                if len(parts) < 2 or parts[1] != "experts" or target == _EXPERTS_CONTRACT:
+                    continue
+                if target not in self.claims.experts:
+                    self.fail(imp.node, "imports exactly its bound experts classes",
+                              f"it imports {target}, which holds none of its bound classes ({_classes(self.claims)})")
+                if imp.names is None or imp.names == ("*",) or mod == "runtime":
+                    self.fail(imp.node, "imports exactly its bound experts classes",
+                              f"it imports the module {target} instead of naming the bound classes it uses")
+                first_experts = first_experts or imp.node
+                seen.setdefault(target, set()).update(imp.names)
+        got = {m: frozenset(n) for m, n in seen.items()}
+        if got != self.claims.experts:
+            self.fail(first_experts, "imports exactly its bound experts classes",
+                      f"it imports {_describe(got)}; its plan binds {_classes(self.claims)}")
+
+    def check_generic(self, imports: list[_Import]) -> None:
+        """A generic build resolves at load through registry.generic and names no experts class (GN1)."""
+        if not any(imp.module == "registry.generic" for imp in imports):
+            self.fail(None, "a generic build resolves through registry.generic", "it does not import registry.generic")
+        for imp in imports:
+            targets = [imp.module] if imp.module != "runtime" or imp.names is None else [f"runtime.{n}" for n in imp.names]
+            for target in targets:
+                if target.startswith("runtime.experts") and target != _EXPERTS_CONTRACT:
+                    self.fail(imp.node, "a generic build imports no experts class directly", f"it imports {target}")
+
+    # -- constants -------------------------------------------------------------------------------------
+    def check_constants(self) -> None:
+        c = self.claims
+        values = self.assignments()
+        if c.kind == SPECIALIZED:
+            self.expect(values, "MOE_IMPLS_HONORED", c.honored, "the target's honored ids")
+            self.expect(values, "DRAFT_MOE_IMPLS_HONORED", c.draft_honored, "the target's honored draft ids")
+            self.expect(values, "LAYERS", c.layers, "the plan's layer table")
+        else:
+            self.expect(values, "DRAFT_LAYERS", c.draft_layers, "the plan's draft layer table")
+        self.expect_implementations(values)
+        # TG4: a declared list of honored ids is a hard constraint on what a build binds.
+        honored = c.honored if c.kind == SPECIALIZED else c.draft_honored
+        outside = sorted(set(c.implementations) - set(honored)) if isinstance(honored, tuple) else []
+        if outside:
+            side = "MOE_IMPLS_HONORED" if c.kind == SPECIALIZED else "its target's DRAFT_MOE_IMPLS_HONORED"
+            self.fail(values["IMPLEMENTATIONS"][0], "binds only honored ids",
+                      f"it binds {', '.join(outside)}, which {side} {honored!r} does not list (TG4)")
+
+    def assignments(self) -> dict[str, list]:
+        """Top-level `NAME = value` statements, by name (a constant assigned twice is reported)."""
+        import libcst
+
+        found: dict[str, list] = {}
+        for stmt in self.module.body:
+            if not isinstance(stmt, libcst.SimpleStatementLine):
+                continue
+            for small in stmt.body:
+                if isinstance(small, libcst.Assign) and len(small.targets) == 1 and isinstance(small.targets[0].target, libcst.Name):
+                    found.setdefault(small.targets[0].target.value, []).append(small)
+                elif isinstance(small, (libcst.AnnAssign, libcst.AugAssign)) and isinstance(small.target, libcst.Name):
+                    found.setdefault(small.target.value, []).append(small)
+        return found
+
+    def single(self, values, name: str):
+        nodes = values.get(name, [])
+        if not nodes:
+            self.fail(None, f"{name} equals the plan", f"{name} is not assigned at the top of the file")
+        if len(nodes) > 1 or not hasattr(nodes[0], "targets"):
+            self.fail(nodes[-1], f"{name} equals the plan", f"{name} is assigned {len(nodes)} times; a constant is assigned once")
+        return nodes[0]
+
+    def expect(self, values, name: str, expected, what: str) -> None:
+        node = self.single(values, name)
+        try:
+            actual = ast.literal_eval(self.module.code_for_node(node.value))
+        except (ValueError, SyntaxError):
+            self.fail(node, f"{name} equals the plan", f"{name} is not a literal")
+        if actual == expected and type(actual) is type(expected):
+            return
+        if isinstance(actual, tuple) and isinstance(expected, tuple) and len(actual) == len(expected) and len(expected) > 3:
+            # A long table: name the first entry that differs rather than printing both tables.
+            i = next(k for k, (a, e) in enumerate(zip(actual, expected)) if a != e or type(a) is not type(e))
+            self.fail(node, f"{name} equals the plan", f"{name}[{i}] = {actual[i]!r}, but in {what} it is {expected[i]!r}")
+        if isinstance(actual, tuple) and isinstance(expected, tuple) and len(expected) > 3:
+            self.fail(node, f"{name} equals the plan", f"{name} has {len(actual)} entries, but {what} has {len(expected)}")
+        self.fail(node, f"{name} equals the plan", f"{name} = {actual!r}; {what}: {expected!r}")
+
+    def expect_implementations(self, values) -> None:
+        import libcst
+
+        node = self.single(values, "IMPLEMENTATIONS")
+        claim = "IMPLEMENTATIONS equals the plan"
+        if not isinstance(node.value, libcst.Dict):
+            self.fail(node, claim, "IMPLEMENTATIONS is not a dict display")
+        got = {}
+        for element in node.value.elements:
+            if not isinstance(element, libcst.DictElement):
+                self.fail(node, claim, "IMPLEMENTATIONS unpacks another mapping")
+            value = element.value
+            try:
+                key = ast.literal_eval(self.module.code_for_node(element.key))
+                ok = isinstance(value, libcst.Tuple) and len(value.elements) == 2 and isinstance(value.elements[0].value, libcst.Name)
+                family = ast.literal_eval(self.module.code_for_node(value.elements[1].value)) if ok else None
+            except (ValueError, SyntaxError):
+                ok = False
+            if not ok:
+                self.fail(element, claim, "each entry reads 'id': (ExpertsClass, 'FAMILY')")
+            if key in got:
+                self.fail(element, claim, f"{key!r} is listed twice")
+            got[key] = (value.elements[0].value.value, family)
+        if got != self.claims.implementations:
+            self.fail(node, claim, f"it binds {_describe_impls(got)}; the plan binds {_describe_impls(self.claims.implementations)}")
+
+
+# Fields that hold only whitespace, comments and punctuation: nothing a claim reads lives there.
+_SKIP_FIELDS = frozenset({
+    "header", "footer", "leading_lines", "lines_after_decorators", "trailing_whitespace", "whitespace_before",
+    "whitespace_after", "whitespace_before_colon", "whitespace_after_colon", "whitespace_before_params",
+    "whitespace_after_def", "whitespace_after_class", "whitespace_before_args", "whitespace_after_func",
+    "whitespace_after_arg", "whitespace_after_star", "whitespace_after_star_star", "whitespace_after_import",
+    "whitespace_before_import", "whitespace_after_from", "whitespace_after_as", "whitespace_before_as",
+    "whitespace_after_in", "whitespace_before_in", "whitespace_before_equal", "whitespace_after_equal",
+    "lpar", "rpar", "lbracket", "rbracket", "lbrace", "rbrace", "comma", "semicolon", "colon", "dot", "equal",
+    "operator", "star", "indent", "newline", "asynchronous",
+})
+
+
+def _walk(root):
+    """Every node under `root`, found by reading fields (no visitor: libcst's visitors rebuild each
+    node they pass, which costs several times the parse; this reads the tree and changes nothing)."""
+    import libcst
+
+    node_type = libcst.CSTNode
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        yield node
+        for name in node.__dataclass_fields__:
+            if name in _SKIP_FIELDS:
+                continue
+            value = getattr(node, name)
+            if isinstance(value, node_type):
+                stack.append(value)
+            elif isinstance(value, (list, tuple)):
+                stack.extend(v for v in value if isinstance(v, node_type))
+
+
+def _classes(claims: Claims) -> str:
+    return _describe(claims.experts) or "no experts class"
+
+
+def _describe(modules: dict) -> str:
+    return "; ".join(f"{m}: {', '.join(sorted(n))}" for m, n in sorted(modules.items())) or "nothing"
+
+
+def _describe_impls(impls: dict) -> str:
+    return ", ".join(f"{i} -> {c} ({f})" for i, (c, f) in sorted(impls.items())) or "nothing"
+
+
+def verify_tree(root: Path, plans, registry) -> list[str]:
+    """Check the claims on a generated tree as it is on disk; return the files checked.
+
+    `plans` are the build plans whose files live under `root` (`<model>/<target>/...`); every model
+    folder's `generic/modeling.py` is checked as a generic build. A violation raises `GenerationError`.
+    """
+    checked = []
+    models = set()
+    for plan in plans:
+        models.add(plan.model)
+        base = f"{plan.model}/{plan.target}"
+        pairs = [(f"{base}/modeling.py", claims_for_modeling(plan, registry))]
+        if plan.draft is not None:
+            pairs.append((f"{base}/draft.py", claims_for_draft(plan, registry)))
+        for rel, claims in pairs:
+            verify_python(rel, (root / rel).read_text(encoding="utf-8"), claims)
+            checked.append(rel)
+    for model in sorted(models | {p.parent.parent.name for p in root.glob("*/generic/modeling.py")}):
+        rel = f"{model}/generic/modeling.py"
+        verify_python(rel, (root / rel).read_text(encoding="utf-8"), GENERIC_CLAIMS)
+        checked.append(rel)
+    return checked

@@ -1,0 +1,152 @@
+"""Writes a one-rank build's seeded random weights as an HF checkpoint under the loader's names, so runs without a real checkpoint still load one model shard by shard.
+
+Random weights drawn separately on each rank would not be shards of one model, and a run that skipped
+the loader would not test it; one written checkpoint serves both (`python -m generated.run --tiny` and
+the parallel tests). The build is only read for names, shapes and dtypes (it may live on the meta
+device, so a build whose kernels need a GPU still writes its checkpoint on a CPU host). Expert tensors
+are written in the canonical per-expert form of docs/runtime.md through the storage layout of the
+family, named by the same code that reads them (`experts_sources`), and a test reads every written
+layout back through `experts_source`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Mapping
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from runtime.checkpoint.experts_sources import GATE_UP_DOWN, W1_W3_W2, PerExpertSource
+from runtime.checkpoint.loader import find_experts_modules
+from runtime.checkpoint.reader import CONFIG_FILE, SINGLE_FILE
+from runtime.experts.base import WEIGHT_FAMILY, random_source
+
+# How each family stores its routed experts (the table in experts_sources.py). gpt-oss keeps one fused
+# tensor per projection: the hub's MXFP4 blocks/scales, or what transformers saves for bf16.
+FAMILY_EXPERTS_LAYOUT = {
+    "deepseek_v3": "gate_up_down",
+    "glm4_moe": "gate_up_down",
+    "qwen3_moe": "gate_up_down",
+    "mixtral": "w1_w3_w2",
+    "minimax_m2": "w1_w3_w2",
+    "gpt_oss": "gpt_oss",
+}
+
+
+def experts_layout(family: str, fmt: str) -> str:
+    """The `experts_sources.LAYOUTS` entry a checkpoint of `family` stores experts of run format `fmt` in."""
+    if family not in FAMILY_EXPERTS_LAYOUT:
+        known = ", ".join(sorted(FAMILY_EXPERTS_LAYOUT))
+        raise ValueError(f"no known experts storage layout for family {family!r}; known: {known}")
+    layout = FAMILY_EXPERTS_LAYOUT[family]
+    if layout != "gpt_oss":
+        return layout
+    family_of_format = WEIGHT_FAMILY[fmt]
+    if family_of_format not in ("bf16", "mxfp4"):
+        raise ValueError(f"gpt-oss checkpoints hold bf16 or MXFP4 experts, not {fmt}")
+    return "gpt_oss_mxfp4" if family_of_format == "mxfp4" else "gpt_oss_bf16"
+
+
+def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Rows 2j = gate row j, 2j+1 = up row j (gpt-oss's fused gate_up)."""
+    return torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], *gate.shape[1:])
+
+
+def stored_expert_tensors(canonical: Mapping[tuple[int, str, str], torch.Tensor], num_experts: int, layout: str,
+                          prefix: str) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors holding `canonical` ((expert, proj, kind) -> whole canonical tensor) in `layout`."""
+    if layout in ("gate_up_down", "w1_w3_w2"):
+        names = PerExpertSource(None, prefix, GATE_UP_DOWN if layout == "gate_up_down" else W1_W3_W2)
+        return {names.name(e, proj, kind): t.contiguous() for (e, proj, kind), t in canonical.items()}
+    experts = range(num_experts)
+
+    def stack(proj, kind):
+        return torch.stack([canonical[e, proj, kind] for e in experts])
+
+    kinds = {kind for _, _, kind in canonical}
+    out = {}
+    if "bias" in kinds:
+        out[f"{prefix}.gate_up_proj_bias"] = torch.stack(
+            [_interleave(canonical[e, "gate", "bias"], canonical[e, "up", "bias"]) for e in experts])
+        out[f"{prefix}.down_proj_bias"] = stack("down", "bias")
+    if layout == "gpt_oss_bf16":
+        # transformers saves these input-major: [E, H, 2I] (gate/up interleaved along the last dim), [E, I, H].
+        gate_up = torch.stack([_interleave(canonical[e, "gate", "weight"], canonical[e, "up", "weight"]) for e in experts])
+        out[f"{prefix}.gate_up_proj"] = gate_up.transpose(1, 2).contiguous()
+        out[f"{prefix}.down_proj"] = stack("down", "weight").transpose(1, 2).contiguous()
+        return out
+    if layout == "gpt_oss_mxfp4":
+        # Blocks [E, rows, in/32, 16] bytes and scales [E, rows, in/32], rows interleaved for gate_up.
+        for fused, projs in (("gate_up_proj", ("gate", "up")), ("down_proj", ("down",))):
+            for kind, suffix in (("weight", "blocks"), ("weight_scale", "scales")):
+                if len(projs) == 2:
+                    value = torch.stack([_interleave(canonical[e, "gate", kind], canonical[e, "up", kind]) for e in experts])
+                else:
+                    value = stack("down", kind)
+                if kind == "weight":
+                    value = value.reshape(*value.shape[:2], -1, 16)
+                out[f"{prefix}.{fused}_{suffix}"] = value.contiguous()
+        return out
+    raise ValueError(f"unknown experts layout {layout!r}")
+
+
+def _is_norm(name: str) -> bool:
+    # The rule of runtime.build.init_random: norm weights start around 1, everything else around 0.
+    return name.endswith("norm.weight") or "layernorm" in name
+
+
+def random_tensors(model: nn.Module, family: str, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor a one-rank build reads, random (never zeros for weights), on the CPU."""
+    experts = find_experts_modules(model)
+    for name, module in experts.items():
+        parallel = getattr(module, "parallel", None)
+        if getattr(parallel, "ep_size", 1) > 1 or getattr(parallel, "moe_tp_size", 1) > 1:
+            raise ValueError(f"{name} holds one rank's slice of its experts; write a checkpoint from a one-rank (tp1) build")
+    gen = torch.Generator().manual_seed(seed)
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    entries = list(model.named_parameters()) + [
+        (n, b) for n, b in model.named_buffers() if _persistent(model, n)]
+    for name, tensor in entries:
+        if id(tensor) in seen or any(name.startswith(p + ".") for p in experts):
+            continue  # tied tensors are written once, under their first name (the loader needs one)
+        seen.add(id(tensor))
+        if getattr(tensor, "shard", None) is not None:
+            raise ValueError(f"{name} is a tensor-parallel shard; write a checkpoint from a one-rank (tp1) build")
+        if tensor.is_floating_point():
+            values = torch.randn(tuple(tensor.shape), generator=gen, dtype=torch.float32) * std
+            if _is_norm(name):
+                values += 1.0
+            out[name] = values.to(tensor.dtype)
+        else:
+            out[name] = torch.zeros(tuple(tensor.shape), dtype=tensor.dtype)
+    for prefix in sorted(experts):
+        module = experts[prefix]
+        spec, fmt = module.spec, module.FORMAT
+        source = random_source(spec, fmt, range(spec.num_experts), gen, std=std)
+        out.update(stored_expert_tensors(source.tensors, spec.num_experts, experts_layout(family, fmt), prefix))
+    return out
+
+
+def _persistent(model: nn.Module, name: str) -> bool:
+    owner, _, local = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    return local not in module._non_persistent_buffers_set
+
+
+def save_checkpoint(tensors: Mapping[str, torch.Tensor], path: str | Path, config: dict | None = None) -> Path:
+    """`tensors` as `model.safetensors` (and `config` as config.json) in folder `path`, created if needed."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(path / SINGLE_FILE))
+    if config is not None:
+        (path / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def write_random_checkpoint(model: nn.Module, path: str | Path, family: str, seed: int = 0,
+                            config: dict | None = None) -> Path:
+    """A checkpoint folder at `path` with seeded random weights for the one-rank build `model`."""
+    return save_checkpoint(random_tensors(model, family, seed), path, config)

@@ -1,0 +1,324 @@
+"""CUPY experts: the routed MoE op in CUDA kernels compiled through CuPy for Hopper (runtime/kernels).
+
+Per call, with no host synchronization (CUDA-graph capturable):
+  1. `moe_align` counting-sorts the (token, slot) pairs by local expert and lists token tiles;
+  2. FP8 formats quantize the token rows once (1x128 groups or per token);
+  3. GEMM1 (gate/up) with the activation fused in its epilogue writes the bf16 intermediate;
+  4. FP8 formats quantize the intermediate;
+  5. GEMM2 (down) writes fp32 rows; 6. `moe_combine` adds the down bias, weighs and sums each
+     token's rows in fp32 and rounds once to bf16.
+The GEMMs are `moe_gemm` (tensor-core mma.sync, weights streamed from HBM into registers and
+dequantized there, so quantized weights stay packed on the device). bf16 layers with many rows per
+expert (prefill) run both GEMMs through `torch._grouped_mm` instead (~600 TFLOP/s here), keeping the
+kernels for routing, gather, activation and combine.
+
+Activations run in bf16 (hidden states of another dtype are converted). Weights are re-laid out
+once at load (gate/up rows interleaved; FP4 bits rearranged: runtime/kernels/layouts.py).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from .. import kernels as K
+from ..kernels.layouts import interleave_gate_up, relayout_fp4
+from .base import ExpertParallel, ExpertsBase, MoeLayerSpec
+
+_ACT_KIND = {"silu_glu": 0, "swiglu_oai": 1, "relu2": 0}
+_MAX_LOCAL_EXPERTS = 1024   # moe_align: one thread per local expert
+
+
+def _p(t: torch.Tensor | None) -> np.uint64:
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def _i(v: int) -> np.int32:
+    return np.int32(v)
+
+
+def _f(v: float) -> np.float32:
+    return np.float32(v)
+
+
+class _CupyMmaExperts(ExpertsBase):
+    """Shape constraints: hidden size and this rank's intermediate size multiples of 64 (128 for
+    fp8_block_scales: the weight blocks), at most 1024 local experts. Runs on CUDA SM 9.0 only; the
+    host CPU is refused. CUDA-graph capturable (warm it up once outside the capture: the first call
+    compiles the kernels)."""
+
+    # rows per expert (average) from which bf16 layers use torch._grouped_mm for both GEMMs
+    GROUPED_MM_MIN_ROWS = 64
+    # fill the workspaces and the output with NaN before each call (tests: catches unwritten reads)
+    debug_poison = False
+    # warp tiles compiled besides `plan`'s (for `forward(..., tile=)` measurements)
+    extra_tiles: tuple[tuple[int, int], ...] = ()
+
+    def __init__(self, spec: MoeLayerSpec, parallel: ExpertParallel = ExpertParallel(), device=None):
+        super().__init__(spec, parallel, device)
+        self._local_maps: dict = {}
+
+    # --- layout -----------------------------------------------------------------------------------
+    @property
+    def _unit(self) -> int:
+        return 128 if self.FORMAT == "fp8_block_scales" else 64
+
+    def _extra_size_checks(self):
+        unit = self._unit
+        problems = [f"{name} {size} is not a multiple of {unit} (kernel K-chunks)"
+                    for name, size in (("hidden_size", self.spec.hidden_size),
+                                       ("the per-rank intermediate size", self.inter_size)) if size % unit]
+        n_local = len(self.parallel.local_experts(self.spec.num_experts))
+        if n_local > _MAX_LOCAL_EXPERTS:
+            problems.append(f"{n_local} local experts exceed {_MAX_LOCAL_EXPERTS}")
+        return problems
+
+    def _buffer_specs(self):
+        n, h, i = len(self.expert_ids), self.spec.hidden_size, self.inter_size
+        n1 = 2 * i if self.spec.gated else i
+        fmt = self.FORMAT
+        if fmt == "bf16":
+            specs = {"w13": ((n, n1, h), torch.bfloat16), "w2": ((n, h, i), torch.bfloat16)}
+        elif fmt == "fp8_block_scales":
+            planes = 2 if self.spec.gated else 1
+            specs = {"w13": ((n, n1, h), torch.float8_e4m3fn), "w2": ((n, h, i), torch.float8_e4m3fn),
+                     "s13": ((n, planes, i // 128, h // 128), torch.float32),
+                     "s2": ((n, h // 128, i // 128), torch.float32)}
+        elif fmt in ("w4a16_mxfp4", "w4a8_mxfp4_fp8"):
+            specs = {"w13": ((n, n1, h // 2), torch.uint8), "w2": ((n, h, i // 2), torch.uint8),
+                     "s13": ((n, n1, h // 32), torch.uint8), "s2": ((n, h, i // 32), torch.uint8)}
+        else:   # w4a16_nvfp4
+            specs = {"w13": ((n, n1, h // 2), torch.uint8), "w2": ((n, h, i // 2), torch.uint8),
+                     "s13": ((n, n1, h // 16), torch.float8_e4m3fn), "s2": ((n, h, i // 16), torch.float8_e4m3fn),
+                     "g13": ((n, 2 if self.spec.gated else 1), torch.float32), "g2": ((n,), torch.float32)}
+        if self.spec.expert_bias:
+            specs.update(b13=((n, n1), torch.float32), b2=((n, h), torch.float32))
+        return specs
+
+    def _convert(self, staged, device):
+        gated = self.spec.gated
+
+        def stacked(proj, kind):
+            return torch.stack([staged[e, proj, kind] for e in self.expert_ids])
+
+        def first(kind, prepare=lambda t: t):
+            if gated:
+                return interleave_gate_up(prepare(stacked("gate", kind)), prepare(stacked("up", kind)))
+            return prepare(stacked("up", kind))
+
+        fmt = self.FORMAT
+        new = {}
+        if fmt == "bf16":
+            new["w13"], new["w2"] = first("weight"), stacked("down", "weight")
+        elif fmt == "fp8_block_scales":
+            as_bytes = lambda t: t.view(torch.uint8)   # noqa: E731  (stack/gather on raw bytes)
+            new["w13"] = first("weight", as_bytes).view(torch.float8_e4m3fn)
+            new["w2"] = stacked("down", "weight")
+            if gated:
+                new["s13"] = torch.stack((stacked("gate", "weight_scale_inv"), stacked("up", "weight_scale_inv")), 1)
+            else:
+                new["s13"] = stacked("up", "weight_scale_inv")[:, None]
+            new["s2"] = stacked("down", "weight_scale_inv")
+        else:
+            layout = "e4m3" if fmt == "w4a8_mxfp4_fp8" else "bf16"
+            relaid = lambda t: relayout_fp4(t, layout)   # noqa: E731
+            new["w13"] = first("weight", relaid)
+            new["w2"] = relaid(stacked("down", "weight"))
+            if fmt == "w4a16_nvfp4":
+                as_bytes = lambda t: t.view(torch.uint8)   # noqa: E731
+                new["s13"] = first("weight_scale", as_bytes).view(torch.float8_e4m3fn)
+                new["s2"] = stacked("down", "weight_scale")
+                projs = ("gate", "up") if gated else ("up",)
+                new["g13"] = torch.stack([stacked(p, "weight_scale_2").reshape(-1) for p in projs], 1)
+                new["g2"] = stacked("down", "weight_scale_2").reshape(-1)
+            else:
+                new["s13"] = first("weight_scale")
+                new["s2"] = stacked("down", "weight_scale")
+        if self.spec.expert_bias:
+            new["b13"] = first("bias").float()
+            new["b2"] = stacked("down", "bias").float()
+        return {name: value.contiguous().to(device) for name, value in new.items()}
+
+    # --- kernels ----------------------------------------------------------------------------------
+    def _kernels(self, device) -> K.Kernels:
+        epi1 = K.EPI_GATED if self.spec.gated else K.EPI_RELU2
+        return K.load(K.gemm_instances(self.FORMAT, (epi1, K.EPI_DOWN), self.extra_tiles), device)
+
+    def _local_map(self, device) -> torch.Tensor:
+        local = self._local_maps.get(device)
+        if local is None:
+            table = torch.full((self.spec.num_experts,), -1, dtype=torch.int32)
+            table[list(self.expert_ids)] = torch.arange(len(self.expert_ids), dtype=torch.int32)
+            local = self._local_maps[device] = table.to(device)
+        return local
+
+    def prepare(self, device=None) -> None:
+        """Compile the kernels and upload the routing table now (before any CUDA-graph capture)."""
+        device = torch.device(device) if device is not None else self._device()
+        self._kernels(device)
+        self._local_map(device)
+
+    def plan(self, tokens: int, top_k: int) -> tuple[str, tuple[int, int]]:
+        """('grouped_mm' | 'kernels', warp tile) for a call with `tokens` tokens: a host-side choice on
+        the shape only (fixed for a CUDA graph of that shape)."""
+        rows = tokens * top_k / self.spec.num_experts   # expected rows per expert, uniform routing
+        # size the token tile for a busy expert (mean + 2 sigma of a Poisson count): an expert whose
+        # rows overflow the tile streams its weights once more
+        busy = rows + 2 * math.sqrt(rows)
+        tiles = K.tiles(self.FORMAT)
+        tile = tiles[-1]
+        for candidate in tiles:
+            if busy <= 8 * candidate[1]:
+                tile = candidate
+                break
+        if self.FORMAT == "bf16" and self.GROUPED_MM_MIN_ROWS is not None and rows >= self.GROUPED_MM_MIN_ROWS:
+            return "grouped_mm", tile
+        return "kernels", tile
+
+    def _empty(self, shape, dtype, device, poison):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        if poison:
+            if dtype in (torch.uint8, torch.float8_e4m3fn):
+                t.view(torch.uint8).fill_(0xFF)     # E4M3 NaN
+            else:
+                t.fill_(float("nan"))
+        return t
+
+    # --- forward ----------------------------------------------------------------------------------
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                path: str | None = None, tile: tuple[int, int] | None = None) -> torch.Tensor:
+        """The contract's forward; `path` and `tile` override `plan` (tests and measurements)."""
+        self._check_inputs(hidden, topk_ids, topk_weights)
+        spec, fmt = self.spec, self.FORMAT
+        tokens, hsize = hidden.shape
+        top_k = topk_ids.shape[1]
+        device = hidden.device
+        if tokens == 0 or not self.expert_ids:
+            return torch.zeros(hidden.shape, dtype=hidden.dtype, device=device)
+        if device.type != "cuda":
+            raise RuntimeError(f"{self.IMPL_ID} runs on a CUDA GPU (SM 9.0), not on {device}")
+        kern = self._kernels(device)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        poison = self.debug_poison
+        x = hidden.to(torch.bfloat16).contiguous()
+        ids = topk_ids.to(torch.int64).contiguous()
+        weights = topk_weights.to(torch.float32).contiguous()
+        n_local, inter = len(self.expert_ids), self.inter_size
+        n1 = 2 * inter if spec.gated else inter
+        pairs = tokens * top_k
+        auto_path, auto_tile = self.plan(tokens, top_k)
+        path, tile = path or auto_path, tuple(tile or auto_tile)
+        bt = 8 * tile[1]
+        max_tiles = pairs // bt + min(n_local, pairs)
+
+        offs = torch.empty(n_local + 1, dtype=torch.int32, device=device)
+        ints = torch.empty(3 * pairs + 2 * max_tiles + 1, dtype=torch.int32, device=device)
+        sorted_pair, sorted_expert, pair_pos = ints[:pairs], ints[pairs:2 * pairs], ints[2 * pairs:3 * pairs]
+        tile_expert = ints[3 * pairs:3 * pairs + max_tiles]
+        tile_row = ints[3 * pairs + max_tiles:3 * pairs + 2 * max_tiles]
+        num_tiles = ints[3 * pairs + 2 * max_tiles:]
+        total_ptr = np.uint64(offs.data_ptr() + 4 * n_local)   # offs[n_local]: routed rows in all
+        kern.launch("moe_align", (1,), (1024,),
+                    (_p(ids), _p(self._local_map(device)), _i(spec.num_experts), _i(pairs), _i(n_local), _i(bt),
+                     _p(offs), _p(sorted_pair), _p(sorted_expert), _p(pair_pos), _p(tile_expert), _p(tile_row),
+                     _p(num_tiles)), stream)
+        kind, alpha, limit = _ACT_KIND[spec.activation], spec.swiglu_alpha, spec.swiglu_limit
+        b13 = self.b13 if spec.expert_bias else None
+        b2 = self.b2 if self.adds_down_bias else None
+
+        if path == "grouped_mm":
+            if fmt != "bf16":
+                raise ValueError(f"{self.IMPL_ID}: the grouped_mm path serves bf16 layers only")
+            rows = self._empty((pairs, hsize), torch.bfloat16, device, poison)
+            kern.launch("gather_rows", (pairs,), (128,),
+                        (_p(x), _p(sorted_pair), total_ptr, _p(rows), _i(hsize), _i(top_k)), stream)
+            ends = offs[1:]
+            gu = torch._grouped_mm(rows, self.w13.transpose(1, 2), offs=ends)
+            h = self._empty((pairs, inter), torch.bfloat16, device, poison)
+            kern.launch("act_rows", (pairs,), (128,),
+                        (_p(gu), _p(b13), _p(sorted_expert), total_ptr, _p(h), _i(inter), _i(int(spec.gated)),
+                         _i(kind), _f(alpha), _f(limit)), stream)
+            y = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=ends)
+            y_bf16 = 1
+        else:
+            aq = K.AQ[fmt]
+            a1, as1 = x, None
+            if aq:
+                a1 = self._empty((tokens, hsize), torch.uint8, device, poison)
+                as1 = self._empty((tokens, hsize // 128) if aq == 1 else (tokens,), torch.float32, device, poison)
+                kern.launch("quant_fp8_rows", (tokens,), (128,),
+                            (_p(x), np.uint64(0), _p(a1), _p(as1), _i(hsize), _i(aq)), stream)
+            h = self._empty((pairs, inter), torch.bfloat16, device, poison)
+            epi1 = K.EPI_GATED if spec.gated else K.EPI_RELU2
+            ws2_13 = self.g13 if fmt == "w4a16_nvfp4" else None
+            ws2_2 = self.g2 if fmt == "w4a16_nvfp4" else None
+            s13 = self.s13 if fmt != "bf16" else None
+            s2 = self.s2 if fmt != "bf16" else None
+            self._gemm(kern, stream, epi1, tile, max_tiles, self.w13, s13, ws2_13, a1, as1, 1, sorted_pair, offs,
+                       tile_expert, tile_row, num_tiles, b13, h, n1, hsize, inter, top_k, kind, alpha, limit)
+            a2, as2 = h, None
+            if aq:
+                a2 = self._empty((pairs, inter), torch.uint8, device, poison)
+                as2 = self._empty((pairs, inter // 128) if aq == 1 else (pairs,), torch.float32, device, poison)
+                kern.launch("quant_fp8_rows", (pairs,), (128,),
+                            (_p(h), total_ptr, _p(a2), _p(as2), _i(inter), _i(aq)), stream)
+            y = self._empty((pairs, hsize), torch.float32, device, poison)
+            self._gemm(kern, stream, K.EPI_DOWN, tile, max_tiles, self.w2, s2, ws2_2, a2, as2, 0, sorted_pair,
+                       offs, tile_expert, tile_row, num_tiles, None, y, hsize, inter, inter, top_k, kind, alpha,
+                       limit)
+            y_bf16 = 0
+
+        out = self._empty((tokens, hsize), torch.bfloat16, device, poison)
+        kern.launch("moe_combine", (math.ceil(hsize / 1024), tokens), (256,),
+                    (_p(y), _i(y_bf16), _p(pair_pos), _p(sorted_expert), _p(weights), _p(b2), _p(out),
+                     _i(hsize), _i(top_k)), stream)
+        return out if hidden.dtype == torch.bfloat16 else out.to(hidden.dtype)
+
+    def _gemm(self, kern, stream, epi, tile, max_tiles, w, ws, ws2, a, a_scale, a_by_token, sorted_pair, offs,
+              tile_expert, tile_row, num_tiles, bias, out, n, k, inter, top_k, kind, alpha, limit):
+        name = K.gemm_name(self.FORMAT, epi, tile)
+        nblocks = math.ceil(n // 16 / (4 * tile[0]))
+        grid = kern.persistent_grid(name, max_tiles * nblocks)
+        kern.launch(name, (grid,), (128,),
+                    (_p(w), _p(ws), _p(ws2), _p(a), _p(a_scale), _i(a_by_token), _p(sorted_pair), _p(offs),
+                     _p(tile_expert), _p(tile_row), _p(num_tiles), _p(bias), _p(out), _i(n), _i(k), _i(inter),
+                     _i(top_k), _i(kind), _f(alpha), _f(limit)), stream)
+
+
+class CupyMmaBf16Experts(_CupyMmaExperts):
+    __doc__ = "CUPY, bf16 weights and activations. " + _CupyMmaExperts.__doc__
+    IMPL_ID = "cupy.mma.grouped_gemm.bf16"
+    FORMAT = "bf16"
+
+
+class CupyMmaFp8BlockScalesExperts(_CupyMmaExperts):
+    __doc__ = ("CUPY, FP8 128x128-block weights and 1x128 dynamic FP8 activations on E4M3 tensor cores, "
+               "block scales applied per 128 channels of K. " + _CupyMmaExperts.__doc__)
+    IMPL_ID = "cupy.mma.grouped_gemm.fp8_block_scales"
+    FORMAT = "fp8_block_scales"
+
+
+class CupyMmaW4a16Mxfp4Experts(_CupyMmaExperts):
+    __doc__ = ("CUPY, MXFP4 weights kept packed and dequantized to bf16 in registers, bf16 activations. "
+               + _CupyMmaExperts.__doc__)
+    IMPL_ID = "cupy.mma.grouped_gemm.w4a16_mxfp4"
+    FORMAT = "w4a16_mxfp4"
+
+
+class CupyMmaW4a8Mxfp4Fp8Experts(_CupyMmaExperts):
+    __doc__ = ("CUPY, MXFP4 weights turned into E4M3 in registers (exact), FP8 per-token activations, "
+               "E4M3 tensor cores with the MX scale applied per 32 channels. " + _CupyMmaExperts.__doc__)
+    IMPL_ID = "cupy.mma.grouped_gemm.w4a8_mxfp4_fp8"
+    FORMAT = "w4a8_mxfp4_fp8"
+
+
+class CupyMmaW4a16Nvfp4Experts(_CupyMmaExperts):
+    __doc__ = ("CUPY, NVFP4 weights kept packed and dequantized to bf16 in registers, bf16 activations. "
+               + _CupyMmaExperts.__doc__)
+    IMPL_ID = "cupy.mma.grouped_gemm.w4a16_nvfp4"
+    FORMAT = "w4a16_nvfp4"
+
+
+CUPY_EXPERTS = (CupyMmaBf16Experts, CupyMmaFp8BlockScalesExperts, CupyMmaW4a16Mxfp4Experts,
+                CupyMmaW4a8Mxfp4Fp8Experts, CupyMmaW4a16Nvfp4Experts)

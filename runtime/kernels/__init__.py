@@ -1,0 +1,153 @@
+"""CUDA kernels of the CUPY experts family, compiled on first use for the GPU that runs them.
+
+cupy is imported only inside `load` and `launch`, so the runtime (and every class that uses these
+kernels) imports and constructs on machines without it. A module is compiled through CuPy's NVRTC
+backend (CuPy caches the binary on disk), or, when `MOEGEN_CUBIN_DIR` holds a cubin built from the
+very same source for this SM (`python -m runtime.kernels.build`), loaded from there without
+compiling. Launches go to torch's current stream, take raw device pointers (zero copy), allocate
+nothing and never synchronize, so they are captured by CUDA graphs like torch's own kernels.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("moe_kernels.cu")
+SOURCES = (SOURCE,)
+NVRTC_OPTIONS = ("-std=c++17",)
+
+# Weight formats (WF_*), activation quantization (AQ_*) and GEMM epilogues (EPI_*) of moe_kernels.cu.
+WF = {"bf16": 0, "fp8_block_scales": 1, "w4a16_mxfp4": 2, "w4a8_mxfp4_fp8": 2, "w4a16_nvfp4": 3}
+AQ = {"bf16": 0, "fp8_block_scales": 1, "w4a16_mxfp4": 0, "w4a8_mxfp4_fp8": 2, "w4a16_nvfp4": 0}
+EPI_GATED, EPI_RELU2, EPI_DOWN = 0, 1, 2
+# Warp tiles (m-tiles of 16 weight rows, n-fragments of 8 tokens), smallest first: the token tile
+# of a CTA is 8 * NT rows of one expert. Small tiles stream weights for decode batches; the last one
+# reuses each (dequantized) weight fragment over many tokens for prefill. The prefill tiles are the
+# fastest of a sweep on an H200 (bench/moe_layer.py --sweep, Q and D shapes at 2048 tokens,
+# 2026-11-30; BENCHMARKS.md): FP8 formats keep a second accumulator set for the block scales and
+# spill beyond (2, 4).
+TILES = {
+    "bf16": ((1, 1), (1, 2), (2, 4), (1, 8)),
+    "fp8_block_scales": ((1, 1), (1, 2), (2, 4)),
+    "w4a16_mxfp4": ((1, 1), (1, 2), (2, 4), (4, 4)),
+    "w4a16_nvfp4": ((1, 1), (1, 2), (2, 4), (2, 8)),
+    "w4a8_mxfp4_fp8": ((1, 1), (1, 2), (2, 4), (4, 4)),
+}
+# Further tiles the sweep times (compiled only when asked for: `extra_tiles`).
+EXTRA_TILES = ((1, 4), (1, 8), (2, 8), (4, 4))
+
+
+def tiles(fmt: str) -> tuple[tuple[int, int], ...]:
+    return TILES[fmt]
+
+
+def gemm_name(fmt: str, epi: int, tile: tuple[int, int]) -> str:
+    return f"moe_gemm_{WF[fmt]}_{AQ[fmt]}_{epi}_{tile[0]}_{tile[1]}"
+
+
+def gemm_instances(fmt: str, epis=(EPI_GATED, EPI_RELU2, EPI_DOWN), extra_tiles=()) -> tuple[tuple[int, ...], ...]:
+    all_tiles = tiles(fmt) + tuple(t for t in extra_tiles if t not in tiles(fmt))
+    return tuple((WF[fmt], AQ[fmt], epi, *tile) for epi in epis for tile in all_tiles)
+
+
+def all_instances() -> tuple[tuple[int, ...], ...]:
+    """Every GEMM variant any CUPY class can ask for (what CI compiles and cubins hold)."""
+    seen = []
+    for fmt in WF:
+        for inst in gemm_instances(fmt, extra_tiles=EXTRA_TILES):
+            if inst not in seen:
+                seen.append(inst)
+    return tuple(seen)
+
+
+def source_text(instances) -> str:
+    lines = "".join(f"MOE_GEMM_INSTANCE({', '.join(map(str, inst))})\n" for inst in instances)
+    return SOURCE.read_text() + "\n// ---- instances ----\n" + lines
+
+
+def source_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cubin_name(sm: int) -> str:
+    return f"moe_kernels.{source_hash(source_text(all_instances()))}.sm_{sm}.cubin"
+
+
+_MODULES: dict = {}
+
+
+class Kernels:
+    """The compiled kernels of one module on one device."""
+
+    def __init__(self, module, device_index: int, sm_count: int):
+        self._module = module
+        self._fns: dict = {}
+        self._streams: dict = {}
+        self.device_index = device_index
+        self.sm_count = sm_count
+
+    def fn(self, name: str):
+        f = self._fns.get(name)
+        if f is None:
+            f = self._fns[name] = self._module.get_function(name)
+        return f
+
+    def persistent_grid(self, name: str, items: int, threads: int = 128) -> int:
+        """CTAs for a grid-stride kernel: all resident at once (no tail), never more than the items."""
+        regs = max(int(self.fn(name).num_regs), 16)
+        regs_per_warp = -(-regs * 32 // 256) * 256
+        warps = 65536 // regs_per_warp
+        per_sm = max(1, min(2048 // threads, warps // (threads // 32)))
+        return max(1, min(items, per_sm * self.sm_count))
+
+    def _stream(self, stream_ptr: int):
+        stream = self._streams.get(stream_ptr)
+        if stream is None:
+            import warnings
+
+            import cupy
+
+            with warnings.catch_warnings():   # cupy 14 deprecates ExternalStream for Stream.from_external
+                warnings.simplefilter("ignore", DeprecationWarning)
+                stream = self._streams[stream_ptr] = cupy.cuda.ExternalStream(stream_ptr, self.device_index)
+        return stream
+
+    def launch(self, name: str, grid, block, args, stream_ptr: int) -> None:
+        """Launch on the CUDA stream `stream_ptr` (torch's current one): no sync, no allocation."""
+        import cupy
+
+        with cupy.cuda.Device(self.device_index), self._stream(stream_ptr):
+            self.fn(name)(tuple(grid), tuple(block), tuple(args))
+
+
+def load(instances, device) -> Kernels:
+    """The kernels module holding the helper kernels and `instances`, for torch `device` (cached)."""
+    import torch
+
+    index = torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    key = (index, tuple(instances))
+    kernels = _MODULES.get(key)
+    if kernels is not None:
+        return kernels
+    import cupy
+
+    major, minor = torch.cuda.get_device_capability(index)
+    sm = major * 10 + minor
+    props = torch.cuda.get_device_properties(index)
+    with cupy.cuda.Device(index):
+        cubin_dir = os.environ.get("MOEGEN_CUBIN_DIR")
+        cubin = Path(cubin_dir) / cubin_name(sm) if cubin_dir else None
+        if cubin is not None and cubin.is_file():
+            module = cupy.RawModule(path=str(cubin))
+        else:
+            module = cupy.RawModule(code=source_text(instances), options=NVRTC_OPTIONS)
+        kernels = Kernels(module, index, props.multi_processor_count)
+        for inst in instances:      # compile (or load) now, never during a CUDA-graph capture
+            kernels.fn("moe_gemm_" + "_".join(map(str, inst)))
+        for helper in ("moe_align", "quant_fp8_rows", "gather_rows", "act_rows", "moe_combine"):
+            kernels.fn(helper)
+    _MODULES[key] = kernels
+    return kernels

@@ -1,0 +1,78 @@
+"""Weight layouts the CUPY kernels read, made once at load from the canonical checkpoint tensors.
+
+Plain torch (no GPU, no cupy), so CPU tests can check them against the formats' codecs. Two changes
+from the checkpoint layout, both free at run time and exact:
+
+* gate and up rows interleaved in blocks of 8 (`interleave_gate_up`): one 16-row MMA tile holds 8
+  gate rows and the 8 matching up rows, so the GLU activation happens in the GEMM's registers.
+* FP4 (E2M1) codes moved to other bit positions inside each 32-bit word of 8 elements
+  (`relayout_fp4`): a word is turned into MMA operands with a few shifts and masks instead of a
+  per-nibble table lookup (moe_kernels.cu: fp4_to_bf16x8, fp4_to_e4m3x8).
+"""
+from __future__ import annotations
+
+import torch
+
+# BF16_WORD: element i of a word (8 consecutive K elements of one lane) feeds bf16x2 pair i // 2,
+# low half for even i. Its 3 magnitude bits (exponent, mantissa) must land on bf16 bits 8..6 (22..24
+# for the high half) and its sign on bit 15 (31). Pair j's magnitude fields are stored 3*j bits
+# higher (j = 3: 3 bits lower) and the signs fill the 8 bits left over.
+_BF16_MAG_SHIFT = (0, 3, 6, -3)
+_BF16_SIGN_SHIFT = (0, -15, -14, -13)
+BF16_WORD = tuple(
+    ((6 if i % 2 == 0 else 22) + _BF16_MAG_SHIFT[i // 2], (15 if i % 2 == 0 else 31) + _BF16_SIGN_SHIFT[i // 2])
+    for i in range(8))
+# E4M3_WORD: elements 0..3 become the E4M3 bytes of one register, 4..7 of another. Magnitudes of the
+# first four sit in place (bits 8k+2..8k+4), those of the last four 3 bits higher; signs in bits
+# 8k (first four) and 8k+1 (last four).
+E4M3_WORD = tuple((8 * (i % 4) + (5 if i >= 4 else 2), 8 * (i % 4) + (1 if i >= 4 else 0)) for i in range(8))
+# w4a8 runs one E4M3 MMA step (32 K elements, one MX scale block) per word: lane t's two words of a
+# 64-element chunk are elements 8t..8t+7 of each 32-block, stored next to each other.
+_W4A8_WORD_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)   # stored word d of a chunk <- canonical word
+
+
+def relayout_fp4(packed: torch.Tensor, layout: str) -> torch.Tensor:
+    """Canonical packed E2M1 (uint8 [..., K/2], element 2i in the low nibble) -> the kernel layout
+    `"bf16"` (w4a16 formats) or `"e4m3"` (w4a8), same shape and dtype. K must be a multiple of 64."""
+    if packed.dtype != torch.uint8 or packed.shape[-1] % 32:
+        raise ValueError(f"relayout_fp4 needs uint8 [..., K/2] with K % 64 == 0, got {tuple(packed.shape)} "
+                         f"{packed.dtype}")
+    table = {"bf16": BF16_WORD, "e4m3": E4M3_WORD}[layout]
+    words = packed.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    new = torch.zeros_like(words)
+    for i, (mag_pos, sign_pos) in enumerate(table):
+        code = (words >> (4 * i)) & 0xF
+        new |= (code & 7) << mag_pos
+        new |= (code >> 3) << sign_pos
+    if layout == "e4m3":
+        shape = new.shape
+        new = new.reshape(*shape[:-1], shape[-1] // 8, 8)[..., list(_W4A8_WORD_ORDER)].reshape(shape)
+    new = torch.where(new >= 2 ** 31, new - 2 ** 32, new).to(torch.int32)
+    return new.view(torch.uint8).reshape(packed.shape)
+
+
+def decode_bf16_word(word: int) -> list[int]:
+    """What moe_kernels.cu's fp4_to_bf16x8 makes of one 32-bit word: 4 bf16x2 bit patterns (for tests)."""
+    mag, sgn, m = 0x01C001C0, 0x80008000, 0xFFFFFFFF
+    x = word & m
+    return [x & (mag | sgn),
+            ((x >> 3) & mag) | ((x << 15) & sgn & m),
+            ((x >> 6) & mag) | ((x << 14) & sgn & m),
+            ((x << 3) & mag & m) | ((x << 13) & sgn & m)]
+
+
+def decode_e4m3_word(word: int) -> tuple[int, int]:
+    """What fp4_to_e4m3x8 makes of one word: two registers of 4 E4M3 bytes (for tests)."""
+    mag, sgn, m = 0x1C1C1C1C, 0x80808080, 0xFFFFFFFF
+    x = word & m
+    return (x & mag) | ((x << 7) & sgn & m), ((x >> 3) & mag) | ((x << 6) & sgn & m)
+
+
+def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """[n, I, ...] gate and up -> [n, 2I, ...] with rows 16r..16r+7 = gate 8r..8r+7 and
+    16r+8..16r+15 = up 8r..8r+7 (I % 8 == 0)."""
+    n, i, *rest = gate.shape
+    if i % 8:
+        raise ValueError(f"gate/up interleaving needs an intermediate size divisible by 8, got {i}")
+    blocks = torch.stack((gate.reshape(n, i // 8, 8, *rest), up.reshape(n, i // 8, 8, *rest)), dim=2)
+    return blocks.reshape(n, 2 * i, *rest)

@@ -1,0 +1,734 @@
+// Routed-MoE kernels for Hopper (sm_90), compiled through CuPy/NVRTC or nvcc: routing permutation,
+// a grouped "swap-AB" GEMM for every weight format (mma.sync on tensor cores, weights streamed from
+// HBM straight into registers, dequantized there), fused activations, FP8 activation quantization and
+// the weighted combine.
+//
+// No CUDA headers are included (NVRTC finds none without extra include paths): bf16/fp8 conversions
+// are inline PTX or bit arithmetic. The GEMM is a template; extern "C" entry points are stamped out
+// by MOE_GEMM_INSTANCE lines that runtime/kernels/__init__.py appends for the variants it needs.
+//
+// Design of the GEMM (docs/runtime.md, CUPY; measurements in BENCHMARKS.md):
+//  * "swap AB": the weight rows (output features) are the MMA's M dimension (16 rows per m-tile) and
+//    the tokens routed to one expert its N dimension (8 per n-fragment). Decode batches route a few
+//    tokens to each expert, so N is small and the kernel is a grouped GEMV that streams each active
+//    expert's weights once.
+//  * K is walked in chunks of 64; lane t (= lane % 4) of a quad owns 16 consecutive K elements of the
+//    chunk for both operands. Because K is a reduction, any permutation of K shared by A and B is
+//    exact, so each lane loads its weights and activations with 16-byte (8 for fp4) vector loads and
+//    feeds them to the MMA without shuffles or shared memory.
+//  * gate and up rows are interleaved in blocks of 8 at load time, so one m-tile holds gate rows
+//    (g) and the matching up rows (g + 8) and the activation is computed in registers.
+//  * a persistent grid walks (token tile, n-block) items; the item count comes from the device, so
+//    nothing is read back to the host and the whole op is CUDA-graph capturable.
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+#define WF_BF16 0
+#define WF_FP8B 1
+#define WF_MXFP4 2
+#define WF_NVFP4 3
+
+#define AQ_NONE 0       // bf16 activations
+#define AQ_GROUP128 1   // FP8 E4M3 codes, fp32 scale per token per 128 channels (fp8_block_scales)
+#define AQ_TOKEN 2      // FP8 E4M3 codes, fp32 scale per token (w4a8_mxfp4_fp8), K permuted per 64-chunk
+
+#define EPI_GATED 0     // GEMM1 of silu_glu / swiglu_oai: gate/up interleaved, writes bf16 h
+#define EPI_RELU2 1     // GEMM1 of relu2 (no gate), writes bf16 h
+#define EPI_DOWN 2      // GEMM2, writes fp32 y (combine adds bias and routing weight)
+
+#define ACT_SILU 0
+#define ACT_SWIGLU_OAI 1
+
+#define THREADS 128     // 4 warps per CTA; each warp owns MT m-tiles of the CTA's n-block
+
+// ------------------------------------------------------------------------------------------------
+// small helpers
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ float bf16_to_f32(u16 h) { return __uint_as_float(((u32)h) << 16); }
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+  u16 r;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+
+// Two fp32 -> E4M3 (round to nearest even, saturating at +-448); lo in the low byte.
+__device__ __forceinline__ u16 f32x2_to_e4m3x2(float lo, float hi) {
+  u16 r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// E4M3 byte -> fp32, exact (integer decode: no conversion instruction needed).
+__device__ __forceinline__ float e4m3_to_f32(u32 b) {
+  u32 e = (b >> 3) & 15u, m = b & 7u;
+  float v = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : (float)m * 0.001953125f;  // 2^-9
+  return (b & 0x80u) ? -v : v;
+}
+
+__device__ __forceinline__ uint4 ldg_stream16(const void* p) {   // weights: read once, skip L1
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint2 ldg_stream8(const void* p) {
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ uint4 ldg16(const void* p) {          // activations: shared by the warps
+  uint4 v;
+  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma_e4m3(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// bf16x2 multiply (subnormal inputs are supported by the half-precision FMA path).
+__device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
+  u32 d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+  return d;
+}
+
+// FP4 E2M1 word (8 elements, bit layout of runtime/kernels/layouts.py: BF16_WORD) -> 4 bf16x2 pairs
+// holding value * 2^-126; the caller multiplies by the block scale * 2^126. 13 integer ops per 8
+// elements: the magnitude fields of pair j sit 3*j bits apart and the signs in the leftover bits.
+__device__ __forceinline__ void fp4_to_bf16x8(u32 x, u32 (&p)[4]) {
+  const u32 MAG = 0x01C001C0u, SGN = 0x80008000u;
+  p[0] = x & (MAG | SGN);
+  p[1] = ((x >> 3) & MAG) | ((x << 15) & SGN);
+  p[2] = ((x >> 6) & MAG) | ((x << 14) & SGN);
+  p[3] = ((x << 3) & MAG) | ((x << 13) & SGN);
+}
+
+// FP4 E2M1 word (layout E4M3_WORD) -> 8 E4M3 bytes holding value * 2^-6 (exact, subnormals too).
+__device__ __forceinline__ void fp4_to_e4m3x8(u32 x, u32& lo, u32& hi) {
+  const u32 MAG = 0x1C1C1C1Cu, SGN = 0x80808080u;
+  lo = (x & MAG) | ((x << 7) & SGN);
+  hi = ((x >> 3) & MAG) | ((x << 6) & SGN);
+}
+
+__device__ __forceinline__ float act_gated(int kind, float g, float u, float alpha, float limit) {
+  if (kind == ACT_SWIGLU_OAI) {
+    g = fminf(g, limit);
+    u = fminf(fmaxf(u, -limit), limit);
+    return (u + 1.0f) * (g / (1.0f + expf(-alpha * g)));
+  }
+  return g / (1.0f + expf(-g)) * u;
+}
+
+// ------------------------------------------------------------------------------------------------
+// routing: counting sort of (token, slot) pairs by local expert, and the GEMM tile list
+// ------------------------------------------------------------------------------------------------
+// One CTA of 1024 threads. ids [P] int64 global expert ids; local_map [E] global -> local or -1.
+// Writes offs [El + 1], sorted_pair [P] (pair index by sorted row), sorted_expert [P], pair_pos [P]
+// (sorted row of each pair or -1), tiles (expert, first row) of at most `bt` rows, num_tiles.
+__device__ __forceinline__ int block_exclusive_scan(int v, int* warp_sums, int& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < (int)(blockDim.x >> 5) ? warp_sums[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      int y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    warp_sums[lane] = w;   // inclusive
+  }
+  __syncthreads();
+  int base = warp ? warp_sums[warp - 1] : 0;
+  total = warp_sums[(blockDim.x >> 5) - 1];
+  __syncthreads();
+  return base + x - v;
+}
+
+extern "C" __global__ void __launch_bounds__(1024) moe_align(
+    const long long* __restrict__ ids, const int* __restrict__ local_map, int num_experts, int P, int El,
+    int bt, int* __restrict__ offs, int* __restrict__ sorted_pair, int* __restrict__ sorted_expert,
+    int* __restrict__ pair_pos, int* __restrict__ tile_expert, int* __restrict__ tile_row,
+    int* __restrict__ num_tiles) {
+  __shared__ int hist[1024];
+  __shared__ int cursor[1024];
+  __shared__ int warp_sums[32];
+  const int tid = threadIdx.x;
+  for (int e = tid; e < El; e += blockDim.x) hist[e] = 0;
+  __syncthreads();
+  for (int p = tid; p < P; p += blockDim.x) {
+    long long g = ids[p];
+    int e = (g >= 0 && g < num_experts) ? local_map[g] : -1;
+    if (e >= 0) atomicAdd(&hist[e], 1);
+  }
+  __syncthreads();
+  // El <= 1024 (checked on the host): one expert per thread
+  int cnt = tid < El ? hist[tid] : 0;
+  int total;
+  int start = block_exclusive_scan(cnt, warp_sums, total);
+  int ntile = (cnt + bt - 1) / bt;
+  int ntotal;
+  int tstart = block_exclusive_scan(ntile, warp_sums, ntotal);
+  if (tid < El) {
+    offs[tid] = start;
+    cursor[tid] = start;
+    for (int j = 0; j < ntile; ++j) {
+      tile_expert[tstart + j] = tid;
+      tile_row[tstart + j] = start + j * bt;
+    }
+  }
+  if (tid == 0) {
+    offs[El] = total;
+    num_tiles[0] = ntotal;
+  }
+  __syncthreads();
+  for (int p = tid; p < P; p += blockDim.x) {
+    long long g = ids[p];
+    int e = (g >= 0 && g < num_experts) ? local_map[g] : -1;
+    int pos = -1;
+    if (e >= 0) {
+      pos = atomicAdd(&cursor[e], 1);
+      sorted_pair[pos] = p;
+      sorted_expert[pos] = e;
+    }
+    pair_pos[p] = pos;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// FP8 activation quantization (dynamic scales, the formulas of runtime/formats/fp8.py)
+// ------------------------------------------------------------------------------------------------
+// One CTA (128 threads) per row of x [R, K] bf16; rows >= *valid_rows (if given) are skipped.
+// mode 1: scale per 128 channels -> s [R, K/128]; codes in the canonical order.
+// mode 2: one scale per row -> s [R]; codes permuted inside each 64-chunk so that chunk element
+//         32*s + 8*t + i lands at byte 16*t + 8*s + i (the k32 steps of the w4a8 GEMM).
+extern "C" __global__ void __launch_bounds__(128) quant_fp8_rows(
+    const u16* __restrict__ x, const int* __restrict__ valid_rows, u8* __restrict__ q, float* __restrict__ s,
+    int K, int mode) {
+  const int r = blockIdx.x;
+  if (valid_rows && r >= valid_rows[0]) return;
+  const u16* row = x + (size_t)r * K;
+  u8* qrow = q + (size_t)r * K;
+  __shared__ float red[4];
+  float row_scale = 0.f;
+  if (mode == 2) {
+    float amax = 0.f;
+    for (int i = threadIdx.x * 8; i < K; i += 128 * 8) {
+      uint4 v = ldg16(row + i);
+      u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        amax = fmaxf(amax, fmaxf(fabsf(bf16_to_f32(w[j] & 0xffff)), fabsf(bf16_to_f32(w[j] >> 16))));
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
+    __syncthreads();
+    amax = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+    row_scale = fmaxf(amax, 1e-4f) / 448.0f;
+    if (threadIdx.x == 0) s[r] = row_scale;
+  }
+  for (int base = 0; base < K; base += 128 * 8) {
+    const int i = base + threadIdx.x * 8;
+    const bool in = i < K;
+    float f[8];
+    if (in) {
+      uint4 v = ldg16(row + i);
+      u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        f[2 * j] = bf16_to_f32(w[j] & 0xffff);
+        f[2 * j + 1] = bf16_to_f32(w[j] >> 16);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) f[j] = 0.f;
+    }
+    float scale = row_scale;
+    if (mode == 1) {   // 16 lanes (a half warp) hold one 128-group; K % 128 == 0 keeps groups whole
+      float amax = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(f[j]));
+#pragma unroll
+      for (int o = 8; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+      scale = fmaxf(amax, 1e-4f) / 448.0f;
+      if (in && (threadIdx.x & 15) == 0) s[(size_t)r * (K / 128) + i / 128] = scale;
+    }
+    if (!in) continue;
+    u32 out0 = (u32)f32x2_to_e4m3x2(f[0] / scale, f[1] / scale) | ((u32)f32x2_to_e4m3x2(f[2] / scale, f[3] / scale) << 16);
+    u32 out1 = (u32)f32x2_to_e4m3x2(f[4] / scale, f[5] / scale) | ((u32)f32x2_to_e4m3x2(f[6] / scale, f[7] / scale) << 16);
+    int dst = i;
+    if (mode == 2) {
+      const int c = i & 63;
+      dst = (i - c) + 16 * ((c & 31) >> 3) + 8 * (c >> 5);
+    }
+    uint2 packed;
+    packed.x = out0;
+    packed.y = out1;
+    *reinterpret_cast<uint2*>(qrow + dst) = packed;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// prefill helpers around torch._grouped_mm (bf16): gather, activation, both on sorted rows
+// ------------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(128) gather_rows(
+    const u16* __restrict__ x, const int* __restrict__ sorted_pair, const int* __restrict__ offs_total,
+    u16* __restrict__ out, int K, int topk) {
+  const int s = blockIdx.x;
+  if (s >= offs_total[0]) return;
+  const int tok = sorted_pair[s] / topk;
+  const uint4* src = reinterpret_cast<const uint4*>(x + (size_t)tok * K);
+  uint4* dst = reinterpret_cast<uint4*>(out + (size_t)s * K);
+  for (int i = threadIdx.x; i < K / 8; i += blockDim.x) dst[i] = src[i];
+}
+
+// gu [R, N1] bf16 GEMM1 output (gated: gate/up interleaved per 8 channels), bias [El, N1] fp32 or
+// null -> h [R, I] bf16. One thread per 8 output channels.
+extern "C" __global__ void __launch_bounds__(128) act_rows(
+    const u16* __restrict__ gu, const float* __restrict__ bias, const int* __restrict__ sorted_expert,
+    const int* __restrict__ offs_total, u16* __restrict__ h, int I, int gated, int kind, float alpha,
+    float limit) {
+  const int s = blockIdx.x;
+  if (s >= offs_total[0]) return;
+  const int N1 = gated ? 2 * I : I;
+  const int e = sorted_expert[s];
+  for (int c = threadIdx.x; c < I / 8; c += blockDim.x) {
+    float out[8];
+    if (gated) {
+      uint4 gv = ldg16(gu + (size_t)s * N1 + 16 * c);
+      uint4 uv = ldg16(gu + (size_t)s * N1 + 16 * c + 8);
+      u32 gw[4] = {gv.x, gv.y, gv.z, gv.w}, uw[4] = {uv.x, uv.y, uv.z, uv.w};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float g = bf16_to_f32(j & 1 ? gw[j / 2] >> 16 : gw[j / 2] & 0xffff);
+        float u = bf16_to_f32(j & 1 ? uw[j / 2] >> 16 : uw[j / 2] & 0xffff);
+        if (bias) {
+          g += bias[(size_t)e * N1 + 16 * c + j];
+          u += bias[(size_t)e * N1 + 16 * c + 8 + j];
+        }
+        out[j] = act_gated(kind, g, u, alpha, limit);
+      }
+    } else {
+      uint4 uv = ldg16(gu + (size_t)s * N1 + 8 * c);
+      u32 uw[4] = {uv.x, uv.y, uv.z, uv.w};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float u = bf16_to_f32(j & 1 ? uw[j / 2] >> 16 : uw[j / 2] & 0xffff);
+        if (bias) u += bias[(size_t)e * N1 + 8 * c + j];
+        u = fmaxf(u, 0.f);
+        out[j] = u * u;
+      }
+    }
+    uint4 o;
+    o.x = (u32)f32_to_bf16(out[0]) | ((u32)f32_to_bf16(out[1]) << 16);
+    o.y = (u32)f32_to_bf16(out[2]) | ((u32)f32_to_bf16(out[3]) << 16);
+    o.z = (u32)f32_to_bf16(out[4]) | ((u32)f32_to_bf16(out[5]) << 16);
+    o.w = (u32)f32_to_bf16(out[6]) | ((u32)f32_to_bf16(out[7]) << 16);
+    *reinterpret_cast<uint4*>(h + (size_t)s * I + 8 * c) = o;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// weighted combine: out[t] = sum_j w[t, j] * (y[pos(t, j)] + bias[e(t, j)]) in fp32, then bf16
+// ------------------------------------------------------------------------------------------------
+// y is fp32 (ybf16 = 0) or bf16 (ybf16 = 1), rows in sorted order. One thread per 4 channels.
+extern "C" __global__ void __launch_bounds__(256) moe_combine(
+    const void* __restrict__ y, int ybf16, const int* __restrict__ pair_pos, const int* __restrict__ sorted_expert,
+    const float* __restrict__ topk_w, const float* __restrict__ bias, u16* __restrict__ out, int H, int topk) {
+  const int t = blockIdx.y;
+  const int c = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
+  if (c >= H) return;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int j = 0; j < topk; ++j) {
+    const int p = t * topk + j;
+    const int pos = pair_pos[p];
+    if (pos < 0) continue;
+    float v[4];
+    if (ybf16) {
+      uint2 raw = *reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(y) + (size_t)pos * H + c);
+      v[0] = bf16_to_f32(raw.x & 0xffff); v[1] = bf16_to_f32(raw.x >> 16);
+      v[2] = bf16_to_f32(raw.y & 0xffff); v[3] = bf16_to_f32(raw.y >> 16);
+    } else {
+      float4 raw = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(y) + (size_t)pos * H + c);
+      v[0] = raw.x; v[1] = raw.y; v[2] = raw.z; v[3] = raw.w;
+    }
+    if (bias) {
+      const float4 b = *reinterpret_cast<const float4*>(bias + (size_t)sorted_expert[pos] * H + c);
+      v[0] += b.x; v[1] += b.y; v[2] += b.z; v[3] += b.w;
+    }
+    const float w = topk_w[p];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[i] += v[i] * w;
+  }
+  uint2 o;
+  o.x = (u32)f32_to_bf16(acc[0]) | ((u32)f32_to_bf16(acc[1]) << 16);
+  o.y = (u32)f32_to_bf16(acc[2]) | ((u32)f32_to_bf16(acc[3]) << 16);
+  *reinterpret_cast<uint2*>(out + (size_t)t * H + c) = o;
+}
+
+// ------------------------------------------------------------------------------------------------
+// the grouped GEMM
+// ------------------------------------------------------------------------------------------------
+template <int WF> struct WTraits;
+// bytes of one weight row per 64-chunk (whole quad), per lane, and the lane's register words
+template <> struct WTraits<WF_BF16> { static constexpr int CHUNK = 128, LANE = 32, WORDS = 8; };
+template <> struct WTraits<WF_FP8B> { static constexpr int CHUNK = 64, LANE = 16, WORDS = 4; };
+template <> struct WTraits<WF_MXFP4> { static constexpr int CHUNK = 32, LANE = 8, WORDS = 2; };
+template <> struct WTraits<WF_NVFP4> { static constexpr int CHUNK = 32, LANE = 8, WORDS = 2; };
+
+template <int AQ> struct ATraits;
+template <> struct ATraits<AQ_NONE> { static constexpr int CHUNK = 128, LANE = 32, WORDS = 8; };
+template <> struct ATraits<AQ_GROUP128> { static constexpr int CHUNK = 64, LANE = 16, WORDS = 4; };
+template <> struct ATraits<AQ_TOKEN> { static constexpr int CHUNK = 64, LANE = 16, WORDS = 4; };
+
+template <int WF, int MT> __device__ __forceinline__ void load_w(const u8* const (&wp)[MT][2], int c, u32 (&w)[MT][2][WTraits<WF>::WORDS]) {
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const u8* p = wp[m][h] + (size_t)c * WTraits<WF>::CHUNK;
+      if constexpr (WF == WF_BF16) {
+        uint4 a = ldg_stream16(p), b = ldg_stream16(p + 16);
+        w[m][h][0] = a.x; w[m][h][1] = a.y; w[m][h][2] = a.z; w[m][h][3] = a.w;
+        w[m][h][4] = b.x; w[m][h][5] = b.y; w[m][h][6] = b.z; w[m][h][7] = b.w;
+      } else if constexpr (WF == WF_FP8B) {
+        uint4 a = ldg_stream16(p);
+        w[m][h][0] = a.x; w[m][h][1] = a.y; w[m][h][2] = a.z; w[m][h][3] = a.w;
+      } else {
+        uint2 a = ldg_stream8(p);
+        w[m][h][0] = a.x; w[m][h][1] = a.y;
+      }
+    }
+}
+
+template <int AQ, int NT> __device__ __forceinline__ void load_a(const u8* const (&ap)[NT], int c, u32 (&a)[NT][ATraits<AQ>::WORDS]) {
+#pragma unroll
+  for (int f = 0; f < NT; ++f) {
+    const u8* p = ap[f] + (size_t)c * ATraits<AQ>::CHUNK;
+    uint4 x = ldg16(p);
+    a[f][0] = x.x; a[f][1] = x.y; a[f][2] = x.z; a[f][3] = x.w;
+    if constexpr (AQ == AQ_NONE) {
+      uint4 y = ldg16(p + 16);
+      a[f][4] = y.x; a[f][5] = y.y; a[f][6] = y.z; a[f][7] = y.w;
+    }
+  }
+}
+
+// Chunks per load group (two groups are in flight): decode tiles keep 128-256 weight bytes per lane
+// in flight, which a bandwidth-bound GEMV needs; large tiles have no registers to spare.
+template <int WF, int MT, int NT> struct Unroll {
+  static constexpr int W = WTraits<WF>::LANE * 2 * MT;          // weight bytes per lane per chunk
+  static constexpr int V = (MT * NT >= 8) ? 1 : (MT * NT >= 2 ? 2 : (W >= 64 ? 2 : 4));
+};
+
+template <int WF, int AQ, int EPI, int MT, int NT>
+__device__ __forceinline__ void moe_gemm_impl(
+    const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2,
+    const u8* __restrict__ A, const float* __restrict__ AS, int a_by_token,
+    const int* __restrict__ sorted_pair, const int* __restrict__ offs, const int* __restrict__ tile_expert,
+    const int* __restrict__ tile_row, const int* __restrict__ num_tiles, const float* __restrict__ bias,
+    void* __restrict__ out, int N, int K, int I, int topk, int kind, float alpha, float limit) {
+  constexpr int BT = 8 * NT;
+  constexpr int WW = WTraits<WF>::WORDS;
+  constexpr int AW = ATraits<AQ>::WORDS;
+  constexpr int U = Unroll<WF, MT, NT>::V;
+  constexpr bool FP8MMA = (AQ != AQ_NONE);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int n_tiles16 = N / 16;   // gated: N = 2I and one m-tile holds 8 gate + 8 up rows
+  const int nblocks = (n_tiles16 + 4 * MT - 1) / (4 * MT);
+  const int items = num_tiles[0] * nblocks;
+  const int nch = K / 64;
+  const size_t wrow = (size_t)K * WTraits<WF>::CHUNK / 64;     // bytes per weight row
+  const size_t arow_bytes = (size_t)K * ATraits<AQ>::CHUNK / 64;
+
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int tile = item / nblocks, nb = item - tile * nblocks;
+    const int mt0 = (nb * 4 + warp) * MT;
+    if (mt0 >= n_tiles16) continue;   // this warp has no rows in the edge block
+    const int le = tile_expert[tile];
+    const int r0 = tile_row[tile];
+    const int cnt = min(BT, offs[le + 1] - r0);
+
+    // activation rows of this lane's B fragments (slot g of fragment f), clamped into the tile
+    const u8* ap[NT];
+#pragma unroll
+    for (int f = 0; f < NT; ++f) {
+      const int s = r0 + min(f * 8 + g, cnt - 1);
+      const int row = a_by_token ? sorted_pair[s] / topk : s;
+      ap[f] = A + (size_t)row * arow_bytes + t * ATraits<AQ>::LANE;
+    }
+    // activation rows of the two output tokens (2t, 2t + 1) of each fragment, for the scales
+    int trow[NT][2];
+#pragma unroll
+    for (int f = 0; f < NT; ++f)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int s = r0 + min(f * 8 + 2 * t + i, cnt - 1);
+        trow[f][i] = a_by_token ? sorted_pair[s] / topk : s;
+      }
+    // weight rows g and g + 8 of each m-tile (edge m-tiles clamp; their results are not stored)
+    const u8* wp[MT][2];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      const int mt = min(mt0 + m, n_tiles16 - 1);
+      const size_t r = (size_t)le * N + mt * 16 + g;
+      wp[m][0] = W + r * wrow + t * WTraits<WF>::LANE;
+      wp[m][1] = wp[m][0] + 8 * wrow;
+    }
+
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int f = 0; f < NT; ++f)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[m][f][i] = 0.f;
+    float part[WF == WF_FP8B ? MT : 1][WF == WF_FP8B ? NT : 1][4];
+    if constexpr (WF == WF_FP8B) {
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int f = 0; f < NT; ++f)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) part[m][f][i] = 0.f;
+    }
+
+    // Software pipeline over groups of U chunks: the next group's loads are issued before the
+    // current group is computed (two register buffers), so every warp keeps 2U chunks in flight.
+    auto load_group = [&](int c0, u32 (&w)[U][MT][2][WW], u32 (&a)[U][NT][AW], u32 (&sc)[U][MT][2]) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int c = c0 + u;
+          if (c < nch) {
+            load_w<WF, MT>(wp, c, w[u]);
+            load_a<AQ, NT>(ap, c, a[u]);
+            if constexpr (WF == WF_MXFP4 || WF == WF_NVFP4) {
+#pragma unroll
+              for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                  const int mt = min(mt0 + m, n_tiles16 - 1);
+                  const size_t r = (size_t)le * N + mt * 16 + g + 8 * h;
+                  if constexpr (WF == WF_NVFP4) {
+                    sc[u][m][h] = WS[r * (K / 16) + 4 * c + t];
+                  } else if constexpr (AQ == AQ_NONE) {
+                    sc[u][m][h] = WS[r * (K / 32) + 2 * c + (t >> 1)];
+                  } else {
+                    sc[u][m][h] = *reinterpret_cast<const u16*>(WS + r * (K / 32) + 2 * c);
+                  }
+                }
+            }
+          }
+        }
+    };
+    auto compute_group = [&](int c0, u32 (&w)[U][MT][2][WW], u32 (&a)[U][NT][AW], u32 (&sc)[U][MT][2]) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int c = c0 + u;
+          if (c >= nch) continue;
+#pragma unroll
+          for (int m = 0; m < MT; ++m) {
+            if constexpr (!FP8MMA) {
+              // bf16 MMA: four k16 steps; step s uses the lane's elements 4s..4s+3 (pairs 2s, 2s+1)
+              u32 pg[8], ph[8];
+              if constexpr (WF == WF_BF16) {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) { pg[i] = w[u][m][0][i]; ph[i] = w[u][m][1][i]; }
+              } else {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                  u32 mul, mul2 = 0;
+                  if constexpr (WF == WF_MXFP4) {
+                    // bf16x2 2^(e-1) = 2^(e-127) * 2^126 (exponent field e + 126); scales above 2^1
+                    // (bytes > 128) need a second factor, 2^(e-128), as bf16 stops at 2^127
+                    const u32 e = sc[u][m][h];
+                    mul = (((e > 128u ? 128u : e) + 126u) << 7) * 0x10001u;
+                    if (e > 128u) mul2 = ((e - 1u) << 7) * 0x10001u;
+                  } else {
+                    // NVFP4 block scale * 2^110 (exact in bf16); 2^16 is folded into the epilogue
+                    const u16 b = f32_to_bf16(e4m3_to_f32(sc[u][m][h]) * 1.2980742146337069e33f);
+                    mul = (u32)b * 0x10001u;
+                  }
+                  u32* dst = h ? ph : pg;
+#pragma unroll
+                  for (int wd = 0; wd < 2; ++wd) {
+                    u32 p4[4];
+                    fp4_to_bf16x8(w[u][m][h][wd], p4);
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) dst[4 * wd + j] = bf16x2_mul(p4[j], mul);
+                    if (mul2) {
+#pragma unroll
+                      for (int j = 0; j < 4; ++j) dst[4 * wd + j] = bf16x2_mul(dst[4 * wd + j], mul2);
+                    }
+                  }
+                }
+              }
+#pragma unroll
+              for (int s = 0; s < 4; ++s)
+#pragma unroll
+                for (int f = 0; f < NT; ++f)
+                  mma_bf16(acc[m][f], pg[2 * s], ph[2 * s], pg[2 * s + 1], ph[2 * s + 1], a[u][f][2 * s],
+                           a[u][f][2 * s + 1]);
+            } else if constexpr (WF == WF_FP8B) {
+              // e4m3 MMA: two k32 steps; step s uses the lane's bytes 8s..8s+7
+#pragma unroll
+              for (int s = 0; s < 2; ++s)
+#pragma unroll
+                for (int f = 0; f < NT; ++f)
+                  mma_e4m3(part[m][f], w[u][m][0][2 * s], w[u][m][1][2 * s], w[u][m][0][2 * s + 1],
+                           w[u][m][1][2 * s + 1], a[u][f][2 * s], a[u][f][2 * s + 1]);
+            } else {
+              // w4a8: E2M1 -> E4M3 (value * 2^-6), one MX block per k32 step, promoted per step
+#pragma unroll
+              for (int s = 0; s < 2; ++s) {
+                u32 glo, ghi, hlo, hhi;
+                fp4_to_e4m3x8(w[u][m][0][s], glo, ghi);
+                fp4_to_e4m3x8(w[u][m][1][s], hlo, hhi);
+                const float fg = __uint_as_float(((sc[u][m][0] >> (8 * s)) & 0xffu) + 6u << 23);
+                const float fh = __uint_as_float(((sc[u][m][1] >> (8 * s)) & 0xffu) + 6u << 23);
+#pragma unroll
+                for (int f = 0; f < NT; ++f) {
+                  float tmp[4] = {0.f, 0.f, 0.f, 0.f};
+                  mma_e4m3(tmp, glo, hlo, ghi, hhi, a[u][f][2 * s], a[u][f][2 * s + 1]);
+                  acc[m][f][0] += tmp[0] * fg;
+                  acc[m][f][1] += tmp[1] * fg;
+                  acc[m][f][2] += tmp[2] * fh;
+                  acc[m][f][3] += tmp[3] * fh;
+                }
+              }
+            }
+          }
+          if constexpr (WF == WF_FP8B) {
+            if (c & 1) {   // end of a 128-channel block: apply weight and activation block scales
+              const int kb = c >> 1, KB = K / 128;
+#pragma unroll
+              for (int m = 0; m < MT; ++m) {
+                const int mt = min(mt0 + m, n_tiles16 - 1);
+                float ws[2];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                  const float* S = reinterpret_cast<const float*>(WS);
+                  if constexpr (EPI == EPI_GATED) {
+                    // [El, 2, I/128, KB]: half h of the m-tile is projection h, channels 8*mt..8*mt+7
+                    ws[h] = S[(((size_t)le * 2 + h) * (I / 128) + (8 * mt) / 128) * KB + kb];
+                  } else {
+                    ws[h] = S[((size_t)le * (N / 128) + (16 * mt) / 128) * KB + kb];
+                  }
+                }
+#pragma unroll
+                for (int f = 0; f < NT; ++f) {
+                  const float as[2] = {AS[(size_t)trow[f][0] * KB + kb], AS[(size_t)trow[f][1] * KB + kb]};
+                  acc[m][f][0] += part[m][f][0] * (ws[0] * as[0]);
+                  acc[m][f][1] += part[m][f][1] * (ws[0] * as[1]);
+                  acc[m][f][2] += part[m][f][2] * (ws[1] * as[0]);
+                  acc[m][f][3] += part[m][f][3] * (ws[1] * as[1]);
+#pragma unroll
+                  for (int i = 0; i < 4; ++i) part[m][f][i] = 0.f;
+                }
+              }
+            }
+          }
+        }
+    };
+    u32 wA[U][MT][2][WW], aA[U][NT][AW], sA[U][MT][2];
+    u32 wB[U][MT][2][WW], aB[U][NT][AW], sB[U][MT][2];
+    load_group(0, wA, aA, sA);
+    for (int c0 = 0; c0 < nch; c0 += 2 * U) {
+      if (c0 + U < nch) load_group(c0 + U, wB, aB, sB);
+      compute_group(c0, wA, aA, sA);
+      if (c0 + 2 * U < nch) load_group(c0 + 2 * U, wA, aA, sA);
+      if (c0 + U < nch) compute_group(c0 + U, wB, aB, sB);
+    }
+    // ---- epilogue ----
+#pragma unroll
+    for (int f = 0; f < NT; ++f) {
+      float tok_scale[2] = {1.f, 1.f};
+      int srow[2];
+      bool ok[2];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int slot = f * 8 + 2 * t + i;
+        ok[i] = slot < cnt;
+        srow[i] = r0 + min(slot, cnt - 1);
+        if constexpr (AQ == AQ_TOKEN) tok_scale[i] = AS[trow[f][i]];
+      }
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        const int mt = mt0 + m;
+        if (mt >= n_tiles16) continue;
+        float v[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v[i] = acc[m][f][i] * tok_scale[i & 1];
+        if constexpr (WF == WF_NVFP4) {
+          // per-expert weight_scale_2 (gate, up or down), times the 2^16 folded out of the weights
+          const float s0 = WS2[(EPI == EPI_GATED) ? 2 * le : le] * 65536.f;
+          const float s1 = WS2[(EPI == EPI_GATED) ? 2 * le + 1 : le] * 65536.f;
+          v[0] *= s0; v[1] *= s0; v[2] *= s1; v[3] *= s1;
+        }
+        if constexpr (EPI == EPI_GATED) {
+          const int row_g = mt * 16 + g, ch = mt * 8 + g;   // gate row, up row = row_g + 8
+          float bg = 0.f, bu = 0.f;
+          if (bias) { bg = bias[(size_t)le * N + row_g]; bu = bias[(size_t)le * N + row_g + 8]; }
+          u16* H = reinterpret_cast<u16*>(out);
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+            if (ok[i]) H[(size_t)srow[i] * I + ch] = f32_to_bf16(act_gated(kind, v[i] + bg, v[2 + i] + bu, alpha, limit));
+        } else if constexpr (EPI == EPI_RELU2) {
+          const int row = mt * 16 + g;
+          float b0 = 0.f, b1 = 0.f;
+          if (bias) { b0 = bias[(size_t)le * N + row]; b1 = bias[(size_t)le * N + row + 8]; }
+          u16* H = reinterpret_cast<u16*>(out);
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+            if (ok[i]) {
+              float x0 = fmaxf(v[i] + b0, 0.f), x1 = fmaxf(v[2 + i] + b1, 0.f);
+              H[(size_t)srow[i] * I + row] = f32_to_bf16(x0 * x0);
+              H[(size_t)srow[i] * I + row + 8] = f32_to_bf16(x1 * x1);
+            }
+        } else {
+          const int row = mt * 16 + g;
+          float* Y = reinterpret_cast<float*>(out);
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+            if (ok[i]) {
+              Y[(size_t)srow[i] * N + row] = v[i];
+              Y[(size_t)srow[i] * N + row + 8] = v[2 + i];
+            }
+        }
+      }
+    }
+  }
+}
+
+#define MOE_GEMM_INSTANCE(WF, AQ, EPI, MT, NT)                                                             \
+  extern "C" __global__ void __launch_bounds__(THREADS) moe_gemm_##WF##_##AQ##_##EPI##_##MT##_##NT(            \
+      const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2,                 \
+      const u8* __restrict__ A, const float* __restrict__ AS, int a_by_token,                              \
+      const int* __restrict__ sorted_pair, const int* __restrict__ offs, const int* __restrict__ tile_expert, \
+      const int* __restrict__ tile_row, const int* __restrict__ num_tiles, const float* __restrict__ bias,   \
+      void* __restrict__ out, int N, int K, int I, int topk, int kind, float alpha, float limit) {          \
+    moe_gemm_impl<WF, AQ, EPI, MT, NT>(W, WS, WS2, A, AS, a_by_token, sorted_pair, offs, tile_expert,       \
+                                       tile_row, num_tiles, bias, out, N, K, I, topk, kind, alpha, limit);  \
+  }

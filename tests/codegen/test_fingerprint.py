@@ -1,0 +1,70 @@
+"""The build fingerprint: sha256 of the canonical plan (RULES GN2).
+
+Equivalent spellings of a tactic are one selection, so they give one plan, one fingerprint and the
+same bytes on disk; a different selection gives a different fingerprint.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from codegen.plan import generic_plan, target_plan
+from registry.declarations import find_model, load_models
+from registry.selection import Selection
+from tests.codegen.helpers import MYMOE, cli, files, write_models
+
+SPELLINGS = ("torch.eager", "Eager.TORCH", " *.eager.torch \t", "torch.eager.*.*", "eager.*.torch")
+
+
+@pytest.fixture(scope="module")
+def mymoe(tmp_path_factory):
+    folder = write_models(tmp_path_factory.mktemp("models"), mymoe=MYMOE)
+    return folder, find_model("mymoe", load_models(folder))
+
+
+def test_equivalent_spellings_give_one_fingerprint_even_in_a_refused_plan(mymoe):
+    # RULES GN2, TA1: the refusal text a plan records reads the canonical spelling, not the user's
+    _, decl = mymoe
+    for target in decl.targets:
+        plans = [target_plan(decl, target, Selection(tactic=s))[0] for s in SPELLINGS]
+        assert len({p.fingerprint for p in plans}) == 1
+        assert len({p.canonical() for p in plans}) == 1
+    generics = {generic_plan(decl, Selection(tactic=s)).fingerprint for s in SPELLINGS}
+    assert len(generics) == 1
+
+
+def test_equivalent_spellings_write_byte_identical_trees(mymoe, capsys, tmp_path):
+    # RULES GN2: the header names the canonical selection, never the spelling or the --out folder
+    folder, _ = mymoe
+    trees = []
+    for n, spelling in enumerate(SPELLINGS):
+        out = tmp_path / str(n)
+        code, _, err = cli(capsys, "generate", "--models", folder, "--model", "mymoe", "--tactic", spelling, "--out", out)
+        assert (code, err) == (0, "")
+        trees.append(files(out))
+    assert all(tree == trees[0] for tree in trees)
+    header = trees[0]["mymoe/generic/modeling.py"].decode().splitlines()[1]
+    assert header == "# Regenerate: python -m codegen generate --model mymoe --tactic torch.eager"
+
+
+def test_a_different_selection_gives_a_different_fingerprint(mymoe):
+    # RULES GN2: the fingerprint changes exactly when the plan does
+    _, decl = mymoe
+    target = next(t for t in decl.targets if t.parallel == "tp2")   # honors any id: every selection builds
+    selections = [Selection(), Selection(tactic="eager"), Selection(tactic="grouped_mm"), Selection(backend="VANILLA"), Selection(backend="TORCH")]
+    plans = [target_plan(decl, target, s)[0] for s in selections]
+    assert len({p.fingerprint for p in plans}) == len(selections)
+    # backend TORCH and the pinned grouped GEMM bind the same class, and still differ: the selection is in the plan
+    assert plans[2].bound_ids == plans[4].bound_ids
+
+
+def test_the_fingerprint_is_stable_across_calls_and_matches_the_header(mymoe, capsys, tmp_path):
+    # RULES GN2: the header carries the plan's fingerprint
+    folder, decl = mymoe
+    target = next(t for t in decl.targets if t.parallel == "tp1")
+    plan, _ = target_plan(decl, target)
+    assert plan.fingerprint == target_plan(decl, target)[0].fingerprint
+    out = tmp_path / "o"
+    assert cli(capsys, "generate", "--models", folder, "--model", "mymoe", "--parallel", "tp1", "--out", out)[0] == 0
+    text = (out / f"mymoe/{target.name}/modeling.py").read_text()
+    assert text.splitlines()[2] == f"# Fingerprint: {plan.fingerprint}"

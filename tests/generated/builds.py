@@ -1,0 +1,286 @@
+"""What the tests of generated builds share: finding the builds, writing tiny checkpoints through transformers, and measuring logits against theirs.
+
+The checkpoints come from transformers itself (`AutoModelForCausalLM.from_config` of a declaration's
+config, then `save_pretrained`), so the tensor names, layouts and config fields a build reads are
+ones nobody on this team wrote. Each is written once per test session into a temporary folder.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import importlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+GENERATED = ROOT / "generated"
+_TMP = Path(tempfile.mkdtemp(prefix="moegen-generated-tests-"))
+atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
+
+# One tiny declared model per runtime family: the models the parity tests run (RULES: the oracle is
+# transformers' implementation of the family).
+TINY = {
+    "deepseek_v3": "tiny_deepseek_v3",
+    "qwen3_moe": "tiny_qwen3_moe",
+    "mixtral": "tiny_mixtral",
+    "gpt_oss": "tiny_gpt_oss",
+    "glm4_moe": "tiny_glm4_moe",
+    "minimax_m2": "tiny_minimax_m2",
+}
+
+
+def module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts)
+
+
+def modeling_files() -> list[Path]:
+    return sorted(GENERATED.glob("*/*/modeling.py"))
+
+
+def draft_files() -> list[Path]:
+    return sorted(GENERATED.glob("*/*/draft.py"))
+
+
+def load(module: str):
+    return importlib.import_module(module)
+
+
+def index() -> dict:
+    return load("generated._router_index").INDEX
+
+
+def facts(model: str):
+    return load(f"generated.{model}.facts")
+
+
+def specialized(model: str) -> list[dict]:
+    """The model's specialized targets, from the router index."""
+    return [t for t in index()["targets"] if t["model"] == model]
+
+
+def single_rank(target: dict) -> bool:
+    """A build that runs in one process (the multi-rank layouts are tests/parallel's)."""
+    module = load("generated" + target["module"])
+    return module.LAYOUT.world == 1
+
+
+def runs_on_cpu(target: dict) -> bool:
+    """Every implementation the build binds also runs on the host CPU (else it is built for its GPU)."""
+    module = load("generated" + target["module"])
+    return set(module.IMPLEMENTATIONS) <= set(module.CPU_IMPLS)
+
+
+def cpu_twin(impl_id: str) -> tuple[type, str]:
+    """(class, family) of the TORCH implementation of the same format as `impl_id`: the experts contract
+    (docs/runtime.md) makes them interchangeable, so a test of a build's own code can run a build bound
+    to a GPU-only kernel on the CPU."""
+    from registry.impls import load_registry
+    from runtime.build import load_class
+
+    twin = load_registry().impl("torch.grouped_mm.grouped_gemm." + impl_id.rsplit(".", 1)[1])
+    return load_class(twin.class_path), twin.family
+
+
+def tiny_models() -> list[str]:
+    return sorted(m for m in index()["models"] if m.startswith("tiny_"))
+
+
+@functools.lru_cache(maxsize=None)
+def declarations() -> dict:
+    from registry.declarations import load_models
+
+    return load_models(None)
+
+
+def declared_selection(target_name: str):
+    """The Selection a target was generated under (its declaration's `selection`)."""
+    for decl in declarations().values():
+        for t in decl.targets:
+            if t.name == target_name:
+                return t.selection.selection()
+    raise KeyError(target_name)
+
+
+def hf_config(model: str, **overrides):
+    """transformers' config of a declared model, built from the declaration's own keys."""
+    from transformers import AutoConfig
+
+    data = facts(model)
+    config = {k: v for k, v in data.CONFIG.items() if k != "architectures"} | overrides
+    return AutoConfig.for_model(data.FAMILY, **config)
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Distinct random values in every tensor: transformers initialises norms to 1 and biases (expert,
+    correction, sinks) to 0, which would hide a weight loaded into the wrong place."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, t in sorted(model.state_dict(keep_vars=True).items()):
+        if not t.is_floating_point():
+            continue
+        values = torch.randn(t.shape, generator=gen)
+        values = 1.0 + 0.2 * values if "norm" in name else 0.08 * values
+        t.copy_(values.to(t.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def transformers_checkpoint(model: str, seed: int = 0) -> Path:
+    """A bf16 checkpoint of `model` saved by transformers (`save_pretrained`)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(hf_config(model), dtype=torch.bfloat16)
+    randomize(hf, seed)
+    folder = _TMP / f"{model}-{seed}"
+    hf.save_pretrained(folder)
+    return folder
+
+
+def transformers_model(folder: Path, dtype: torch.dtype):
+    """transformers' model of a checkpoint folder in eval mode, on its reference paths: eager attention
+    (gpt-oss sinks need it) and the per-expert loop (grouped_mm, its default, has no float64)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, attn_implementation="eager", experts_implementation="eager").eval()
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(file)))
+    return out
+
+
+def write_checkpoint(folder: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    """A one-file checkpoint folder (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    return folder
+
+
+def tmp_folder(name: str) -> Path:
+    return _TMP / name
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """||ours - ref|| / ||ref|| over the whole tensor, in float64."""
+    ours, ref = ours.double(), ref.double()
+    return float((ours - ref).norm() / ref.norm())
+
+
+def token_ids(vocab_size: int, batch: int = 2, length: int = 12, seed: int | None = None) -> torch.Tensor:
+    """Random token ids; a fresh draw per call unless a seed is given."""
+    gen = torch.Generator()
+    gen.manual_seed(seed) if seed is not None else gen.seed()
+    return torch.randint(0, vocab_size, (batch, length), generator=gen)
+
+
+# -- quantized checkpoints in the producers' hub layouts, written with our codecs ----------------------
+
+
+def _fp8_quantized(name: str) -> bool:
+    # DeepSeek-V3 quantizes every Linear of attention, dense MLP, shared and routed experts; the router
+    # (`mlp.gate`), norms, embeddings and lm_head stay unquantized (research formats_configs §1).
+    return name.endswith(("_proj.weight", "kv_a_proj_with_mqa.weight")) and ".mlp.gate." not in name
+
+
+def fp8_block_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """The DeepSeek recipe, written out here (not runtime.formats): fp8 value times its 128x128 block's
+    `weight_scale_inv`, in float64."""
+    rows, cols = q.shape
+    full = scale_inv.double().repeat_interleave(block, 0).repeat_interleave(block, 1)[:rows, :cols]
+    return q.double() * full
+
+
+@functools.lru_cache(maxsize=None)
+def deepseek_fp8_checkpoint(model: str = "tiny_deepseek_v3", seed: int = 0) -> Path:
+    """The transformers checkpoint of `model` in DeepSeek's hub FP8 layout: `weight` float8_e4m3fn plus
+    fp32 `weight_scale_inv` per 128x128 block, and config.json's quantization_config exactly as
+    DeepSeek-V3 ships it (no modules_to_not_convert)."""
+    from runtime.formats import fp8
+
+    source = transformers_checkpoint(model, seed)
+    tensors = read_tensors(source)
+    for name in sorted(tensors):
+        if _fp8_quantized(name):
+            q, scale_inv = fp8.quantize_weight_blocks(tensors.pop(name))
+            tensors[name] = q
+            tensors[name[: -len("weight")] + "weight_scale_inv"] = scale_inv
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": [128, 128]}
+    return write_checkpoint(_TMP / f"{model}-fp8-{seed}", tensors, config)
+
+
+@functools.lru_cache(maxsize=None)
+def gpt_oss_mxfp4_checkpoint(model: str = "tiny_gpt_oss", seed: int = 0) -> Path:
+    """The transformers checkpoint of a gpt-oss model in the hub MXFP4 layout: experts as
+    `*_blocks` [E, rows, H/32, 16] / `*_scales` [E, rows, H/32] with rows out-major (gate/up
+    interleaved, as transformers keeps them), biases bf16, quantization_config as gpt-oss ships it."""
+    from runtime.formats import mxfp4
+
+    source = transformers_checkpoint(model, seed)
+    tensors = read_tensors(source)
+    for name in sorted(n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))):
+        # transformers' layout is input-major [E, in, out]; the hub's is out-major.
+        packed, scales = mxfp4.quantize_mxfp4(tensors.pop(name).transpose(1, 2).contiguous().float())
+        tensors[name + "_blocks"] = mxfp4.canonical_to_gpt_oss_blocks(packed)
+        tensors[name + "_scales"] = scales
+    config = json.loads((source / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    }
+    return write_checkpoint(_TMP / f"{model}-mxfp4-{seed}", tensors, config)
+
+
+def checkpoint_for(target: dict) -> Path | None:
+    """A checkpoint folder in the format of a tiny target's checkpoint, when these helpers write one."""
+    name = target["checkpoint"]
+    if name.endswith("_bf16"):
+        return transformers_checkpoint(target["model"])
+    if target["model"] == "tiny_deepseek_v3" and name.endswith("_fp8"):
+        return deepseek_fp8_checkpoint()
+    if target["model"] == "tiny_gpt_oss" and name.endswith("_mxfp4"):
+        return gpt_oss_mxfp4_checkpoint()
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def mtp_checkpoint(model: str, seed: int = 0) -> Path:
+    """The transformers checkpoint of `model` plus its MTP layer where DeepSeek-V3 and GLM-4.5 keep it,
+    `model.layers.<num_hidden_layers>.*` (research formats_configs §4): enorm, hnorm, eh_proj [H, 2H],
+    shared_head.{norm,head}, its own embed_tokens copy and a full (MoE) decoder layer. Every tensor
+    gets fresh values, unlike the hub's copies of the main embedding and head: a draft that read the
+    main model's tensors instead of its own would then compute something else."""
+    source = transformers_checkpoint(model, seed)
+    tensors = read_tensors(source)
+    config = json.loads((source / "config.json").read_text())
+    hidden, vocab, last = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"] - 1
+    prefix = f"model.layers.{last + 1}."
+    shapes = {prefix + name[len(f"model.layers.{last}."):]: t for name, t in tensors.items() if name.startswith(f"model.layers.{last}.")}
+    shapes |= {
+        prefix + "enorm.weight": torch.empty(hidden, dtype=torch.bfloat16),
+        prefix + "hnorm.weight": torch.empty(hidden, dtype=torch.bfloat16),
+        prefix + "eh_proj.weight": torch.empty(hidden, 2 * hidden, dtype=torch.bfloat16),
+        prefix + "shared_head.norm.weight": torch.empty(hidden, dtype=torch.bfloat16),
+        prefix + "shared_head.head.weight": torch.empty(vocab, hidden, dtype=torch.bfloat16),
+        prefix + "embed_tokens.weight": torch.empty(vocab, hidden, dtype=torch.bfloat16),
+    }
+    gen = torch.Generator().manual_seed(seed + 1000)
+    for name, like in sorted(shapes.items()):
+        values = torch.randn(like.shape, generator=gen)
+        tensors[name] = (1.0 + 0.2 * values if "norm" in name else 0.08 * values).to(like.dtype)
+    config["num_nextn_predict_layers"] = 1
+    return write_checkpoint(_TMP / f"{model}-mtp-{seed}", tensors, config)

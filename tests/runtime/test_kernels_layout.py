@@ -1,0 +1,57 @@
+"""The weight layouts of the CUPY kernels, checked on the CPU: FP4 words re-laid at load and decoded
+the way moe_kernels.cu decodes them give back the checkpoint's E2M1 values at the K positions the
+kernels pair them with, and gate/up interleaving puts 8 gate rows above their 8 up rows."""
+import struct
+
+import torch
+
+from runtime.formats import fp4
+from runtime.kernels.layouts import decode_bf16_word, decode_e4m3_word, interleave_gate_up, relayout_fp4
+
+
+def _bf16(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", (bits & 0xFFFF) << 16))[0]
+
+
+def _e4m3(byte: int) -> float:
+    e, m = (byte >> 3) & 15, byte & 7
+    v = 2.0 ** (e - 7) * (1 + m / 8) if e else m * 2.0 ** -9
+    return -v if byte & 0x80 else v
+
+
+def _packed(rows, k, seed):
+    codes = torch.randint(0, 16, (rows, k), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    codes[0, :16] = torch.arange(16, dtype=torch.uint8)      # every code, zeros of both signs included
+    return fp4.pack_fp4(codes), fp4.e2m1_table()[codes.long()]
+
+
+def test_bf16_words_decode_to_the_e2m1_values_in_k_order():
+    packed, values = _packed(3, 128, seed=1)
+    words = relayout_fp4(packed, "bf16").contiguous().view(torch.int32)
+    for r in range(3):
+        for w in range(words.shape[1]):
+            pairs = decode_bf16_word(int(words[r, w]) & 0xFFFFFFFF)
+            got = [v * 2.0 ** 126 for p in pairs for v in (_bf16(p), _bf16(p >> 16))]
+            assert got == values[r, 8 * w:8 * w + 8].tolist(), (r, w)
+
+
+def test_e4m3_words_decode_to_the_e2m1_values_of_each_mx_block():
+    packed, values = _packed(2, 192, seed=2)
+    words = relayout_fp4(packed, "e4m3").contiguous().view(torch.int32)
+    for r in range(2):
+        for chunk in range(192 // 64):
+            for t in range(4):
+                for s in range(2):   # MMA step s = MX block s of the chunk; lane t owns elements 8t..8t+7
+                    lo, hi = decode_e4m3_word(int(words[r, 8 * chunk + 2 * t + s]) & 0xFFFFFFFF)
+                    got = [_e4m3((reg >> (8 * b)) & 0xFF) * 2.0 ** 6 for reg in (lo, hi) for b in range(4)]
+                    first = 64 * chunk + 32 * s + 8 * t
+                    assert got == values[r, first:first + 8].tolist(), (r, chunk, t, s)
+
+
+def test_interleave_gate_up():
+    gate = torch.arange(2 * 16 * 3).reshape(2, 16, 3)
+    up = -gate
+    both = interleave_gate_up(gate, up)
+    assert both.shape == (2, 32, 3)
+    assert torch.equal(both[:, 0:8], gate[:, 0:8]) and torch.equal(both[:, 8:16], up[:, 0:8])
+    assert torch.equal(both[:, 16:24], gate[:, 8:16]) and torch.equal(both[:, 24:32], up[:, 8:16])
