@@ -16,9 +16,10 @@ from torch import nn
 from runtime import build
 from runtime.checkpoint import load_checkpoint
 from runtime.ops import MTPBlock, VocabEmbedding
+from runtime.parallel import attach_layout
 from runtime.experts.cupy_mma import CupyMmaFp8BlockScalesExperts
 
-from .modeling import HIDDEN_SIZE, LAYERS, LAYOUT, RMS_NORM_EPS, SM, TARGET, VOCAB_SIZE, make_layer, make_rotary
+from .modeling import HIDDEN_SIZE, LAYERS, LAYOUT, PARALLEL, RMS_NORM_EPS, SM, TARGET, VOCAB_SIZE, make_layer, make_rotary
 
 DRAFT = 'deepseek_v3_mtp'
 MODE = 'mtp'
@@ -59,6 +60,9 @@ class Draft(nn.Module):
     def __init__(self, device="cpu", rank=0, dtype=torch.bfloat16):
         super().__init__()
         build.check_placement(TARGET + " draft", SM, device, IMPLEMENTATIONS, CPU_IMPLS)
+        # The draft runs on its target's ranks and layout: the same world checks as modeling.py's.
+        attach_layout(self, TARGET + " draft", PARALLEL, LAYOUT, rank)
+        build.check_rank(TARGET + " draft", LAYOUT.world, rank)
         self.rank, self.device, self.dtype = rank, torch.device(device), dtype
         with torch.device(device):
             self.model = nn.Module()
