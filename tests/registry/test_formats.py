@@ -281,7 +281,7 @@ def run_fmt(backend_or_tactic: str, sm: int, registry=R, field="moe_config.backe
 
 @pytest.mark.parametrize(
     "sm, expected",
-    [(80, "w4a16_mxfp4"), (90, "w4a8_mxfp4_fp8"), (100, "w4a8_mxfp4_mxfp8"), (103, "w4a8_mxfp4_mxfp8"), (120, "w4a8_mxfp4_mxfp8")],
+    [(80, "w4a16_mxfp4"), (90, "w4a16_mxfp4"), (100, "w4a8_mxfp4_mxfp8"), (103, "w4a8_mxfp4_mxfp8"), (120, "w4a8_mxfp4_mxfp8")],
 )
 def test_vanilla_alone_runs_the_sms_most_preferred_mxfp4_run_format(sm, expected):
     # RULES FN2: the per-SM preference table orders the run formats.
@@ -291,10 +291,16 @@ def test_vanilla_alone_runs_the_sms_most_preferred_mxfp4_run_format(sm, expected
 
 @pytest.mark.parametrize("sm", [90, 100, 103, 107, 120])
 def test_auto_runs_what_torch_publishes_because_vanilla_never_picks_the_run_format(sm):
-    # RULES FN2: VANILLA (an emulation) counts only when the request holds nothing else. On sm_90 the
-    # CUPY kernels publish the SM's first preference, w4a8_mxfp4_fp8.
-    assert run_fmt("AUTO", sm) == ("w4a8_mxfp4_fp8" if sm == 90 else "w4a16_mxfp4")
+    # RULES FN2: VANILLA (an emulation) counts only when the request holds nothing else: it publishes
+    # w4a8 formats on every SM, yet AUTO runs w4a16_mxfp4 (sm_90's first preference, and the only MXFP4
+    # format TORCH publishes elsewhere).
+    assert run_fmt("AUTO", sm) == "w4a16_mxfp4"
     assert run_fmt("TORCH", sm) == "w4a16_mxfp4"
+
+
+def test_a_tactic_still_reaches_the_sms_second_preference():
+    # RULES FN2: on sm_90 the CUPY W4A8 kernel is second to W4A16; a tactic naming it runs it.
+    assert run_fmt("w4a8_mxfp4_fp8", 90, field="moe_config.tactic") == "w4a8_mxfp4_fp8"
 
 
 def test_vanilla_counts_when_nothing_else_in_the_request_runs_on_the_sm():
@@ -323,7 +329,7 @@ def test_a_tactic_naming_no_mxfp4_run_format_of_the_sm_is_refused_naming_the_for
         run_fmt("w4a8_mxfp4_mxfp8", 90, field="moe_config.tactic")
     assert str(info.value) == (
         "moe_config.tactic 'w4a8_mxfp4_mxfp8' names no MXFP4 run format that runs on sm_90: the MXFP4 experts "
-        "need one of w4a8_mxfp4_fp8, w4a16_mxfp4 (RULES FN2)"
+        "need one of w4a16_mxfp4, w4a8_mxfp4_fp8 (RULES FN2)"
     )
     with pytest.raises(ResolutionError) as info:
         run_fmt("grouped_mm.bf16", 100, field="speculative_config.moe_tactic")
@@ -348,9 +354,9 @@ def test_gpt_oss_layers_report_the_run_format_and_why():
     report = resolve_model(facts, Selection(backend="VANILLA"), sm=90).reports[0]
     assert (report.checkpoint_format, report.run_format, report.run_format_source) == (
         "mxfp4",
-        "w4a8_mxfp4_fp8",
+        "w4a16_mxfp4",
         "MXFP4 checkpoint, sm_90 preference",
     )
-    assert report.winner == "torch.eager.loop.w4a8_mxfp4_fp8"
+    assert report.winner == "torch.eager.loop.w4a16_mxfp4"
     bf16 = resolve_model(project_models()["mixtral_8x7b"].facts(), Selection(), sm=90).reports[0]
     assert (bf16.run_format, bf16.run_format_source) == ("bf16", "checkpoint format")
