@@ -83,8 +83,12 @@ def render_text(decl: Declaration, sm: int, selection: Selection, explained: lis
         r = site.resolution
         out.append("")
         if site.target is None:
-            out.append(f"{site.name}: no declared target on sm_{sm}{' with parallel ' + site.parallel if site.parallel else ''}; "
-                       f"the generic build resolves checkpoint {r.checkpoint} as follows")
+            where = f"no declared target on sm_{sm}{' with parallel ' + site.parallel if site.parallel else ''}"
+            if decl.family.runtime:
+                out.append(f"{site.name}: {where}; the generic build resolves checkpoint {r.checkpoint} as follows")
+            else:
+                out.append(f"{site.name}: {where}; family {decl.family.name} is explain-only (the runtime does not "
+                           f"build it), so checkpoint {r.checkpoint} resolves as follows")
         else:
             t = site.target
             verdict = "claims this selection" if r.claimed else "refuses this selection"
