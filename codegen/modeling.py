@@ -119,7 +119,7 @@ def _summary(plan: BuildPlan) -> list[str]:
 def _context(decl: Declaration, plan: BuildPlan, registry: Registry, generic: bool) -> dict:
     family = decl.family.name
     experts_key, intermediate_key = _KEYS[family]
-    c = normalize(family, decl.config)
+    c = normalize(family, decl.config, f"model {decl.model.name}")
     has_dense = any(l.kind != "moe" for l in plan.layers)
     ops = set(_OPS) | set(_ATTENTION.get(family, ("GQAttention",)))
     if has_dense or family in _SHARED_EXPERTS:

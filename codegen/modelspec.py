@@ -81,8 +81,25 @@ def rope(config: dict, family: str, head_dim: int) -> dict:
     return out
 
 
-def normalize(family: str, config: dict) -> dict:
+# Keys a family's template reads that have no class default: a declaration lacking one is refused
+# when it renders, naming the keys (selection itself never reads them).
+TEMPLATE_KEYS = {
+    "deepseek_v3": ("num_attention_heads", "intermediate_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
+    "glm4_moe": ("num_attention_heads", "intermediate_size"),
+    "qwen3_moe": ("num_attention_heads",),
+    "mixtral": ("num_attention_heads",),
+    "gpt_oss": ("num_attention_heads",),
+    "minimax_m2": ("num_attention_heads",),
+}
+
+
+def normalize(family: str, config: dict, source: str = "the declaration") -> dict:
     """Defaults filled in, head_dim and rotary parameters resolved, one attention window per layer."""
+    missing = [k for k in TEMPLATE_KEYS[family] if k not in config]
+    if missing:
+        from codegen.files import GenerationError
+
+        raise GenerationError(f"{source}: [config] lacks {', '.join(missing)}, which the {family} template reads; add it")
     c = DEFAULTS[family] | dict(config)
     if family == "deepseek_v3":
         head_dim = c["qk_rope_head_dim"]

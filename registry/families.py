@@ -7,7 +7,7 @@ but no build is generated for it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 Config = dict[str, Any]
@@ -31,12 +31,12 @@ class FamilySpec:
     runtime: bool
     architectures: tuple[str, ...]          # config.json "architectures" values it reads
     required: tuple[str, ...]               # config keys a declaration must give
-    experts_prefix: str                     # "{layer}" = decoder layer index
-    draft_experts_prefix: str | None        # "{layer}" = absolute index, "{k}" = draft layer number
-    expert_members: tuple[str, ...]         # module names under the prefix, for exclusion patterns
     moe_layers: Callable[[Config], tuple[int, ...]]
-    num_draft_layers: Callable[[Config], int]
     shape: Callable[[Config], MoeShape]
+    experts_prefix: str = "model.layers.{layer}.mlp.experts"     # "{layer}" = decoder layer index
+    draft_experts_prefix: str | None = None  # "{layer}" = absolute index, "{k}" = draft layer number
+    expert_members: tuple[str, ...] = ("0.gate_proj", "0.up_proj", "0.down_proj")  # for exclusion patterns
+    num_draft_layers: Callable[[Config], int] = lambda config: 0
 
     def experts_module(self, layer: int) -> str:
         return self.experts_prefix.format(layer=layer)
@@ -84,47 +84,39 @@ def _key(name: str) -> Callable[[Config], int]:
     return lambda config: config.get(name, 0)
 
 
-_PER_EXPERT = ("0.gate_proj", "0.up_proj", "0.down_proj")
 _W123 = ("0.w1", "0.w2", "0.w3")
+# The keys selection reads (where the MoE layers are, their shape); the keys only a template reads
+# (attention heads, rotary) are checked by codegen when it renders the family.
 _BASE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_experts_per_tok")
+
+_DEEPSEEK_V3 = FamilySpec(
+    name="deepseek_v3",
+    runtime=True,
+    architectures=("DeepseekV3ForCausalLM",),
+    required=_BASE + ("moe_intermediate_size", "n_routed_experts", "first_k_dense_replace"),
+    draft_experts_prefix="model.layers.{layer}.mlp.experts",
+    moe_layers=_after_dense,
+    num_draft_layers=_key("num_nextn_predict_layers"),
+    shape=_shape("n_routed_experts", "moe_intermediate_size"),
+)
 
 FAMILIES: dict[str, FamilySpec] = {
     spec.name: spec
     for spec in (
-        FamilySpec(
-            name="deepseek_v3",
-            runtime=True,
-            architectures=("DeepseekV3ForCausalLM",),
-            required=_BASE + ("moe_intermediate_size", "n_routed_experts", "first_k_dense_replace"),
-            experts_prefix="model.layers.{layer}.mlp.experts",
-            draft_experts_prefix="model.layers.{layer}.mlp.experts",
-            expert_members=_PER_EXPERT,
-            moe_layers=_after_dense,
-            num_draft_layers=_key("num_nextn_predict_layers"),
-            shape=_shape("n_routed_experts", "moe_intermediate_size"),
-        ),
-        FamilySpec(
+        _DEEPSEEK_V3,
+        # GLM-4 MoE keeps DeepSeek-V3's MoE layout and MTP layers; its attention is GQA.
+        replace(
+            _DEEPSEEK_V3,
             name="glm4_moe",
-            runtime=True,
             architectures=("Glm4MoeForCausalLM",),
             required=_BASE + ("moe_intermediate_size", "n_routed_experts", "first_k_dense_replace"),
-            experts_prefix="model.layers.{layer}.mlp.experts",
-            draft_experts_prefix="model.layers.{layer}.mlp.experts",
-            expert_members=_PER_EXPERT,
-            moe_layers=_after_dense,
-            num_draft_layers=_key("num_nextn_predict_layers"),
-            shape=_shape("n_routed_experts", "moe_intermediate_size"),
         ),
         FamilySpec(
             name="qwen3_moe",
             runtime=True,
             architectures=("Qwen3MoeForCausalLM",),
             required=_BASE + ("moe_intermediate_size", "num_experts"),
-            experts_prefix="model.layers.{layer}.mlp.experts",
-            draft_experts_prefix=None,
-            expert_members=_PER_EXPERT,
             moe_layers=_sparse_step,
-            num_draft_layers=lambda config: 0,
             shape=_shape("num_experts", "moe_intermediate_size"),
         ),
         FamilySpec(
@@ -133,10 +125,8 @@ FAMILIES: dict[str, FamilySpec] = {
             architectures=("MixtralForCausalLM",),
             required=_BASE + ("intermediate_size", "num_local_experts"),
             experts_prefix="model.layers.{layer}.block_sparse_moe.experts",
-            draft_experts_prefix=None,
             expert_members=_W123,
             moe_layers=_every_layer,
-            num_draft_layers=lambda config: 0,
             shape=_shape("num_local_experts", "intermediate_size"),
         ),
         FamilySpec(
@@ -144,11 +134,8 @@ FAMILIES: dict[str, FamilySpec] = {
             runtime=True,
             architectures=("GptOssForCausalLM",),
             required=_BASE + ("intermediate_size", "num_local_experts"),
-            experts_prefix="model.layers.{layer}.mlp.experts",
-            draft_experts_prefix=None,
             expert_members=("gate_up_proj", "down_proj"),
             moe_layers=_every_layer,
-            num_draft_layers=lambda config: 0,
             shape=_shape("num_local_experts", "intermediate_size", activation="swiglu_oai", bias=True),
         ),
         FamilySpec(
@@ -170,9 +157,7 @@ FAMILIES: dict[str, FamilySpec] = {
             runtime=False,
             architectures=("Qwen3NextForCausalLM",),
             required=_BASE + ("moe_intermediate_size", "num_experts"),
-            experts_prefix="model.layers.{layer}.mlp.experts",
             draft_experts_prefix="mtp.layers.{k}.mlp.experts",
-            expert_members=_PER_EXPERT,
             moe_layers=_sparse_step,
             num_draft_layers=_key("mtp_num_hidden_layers"),
             shape=_shape("num_experts", "moe_intermediate_size"),
