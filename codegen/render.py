@@ -42,6 +42,20 @@ def py(value) -> str:
     raise TypeError(f"cannot render {type(value).__name__} into generated code")
 
 
+def py_block(value, indent: int = 0, width: int = 110) -> str:
+    """`py`, but a dict or list too long for one line gets one item per line (reviewable diffs)."""
+    flat = py(value)
+    if indent + len(flat) <= width or not isinstance(value, (dict, list, tuple)) or not value:
+        return flat
+    pad, inner = " " * indent, " " * (indent + 4)
+    if isinstance(value, dict):
+        items = [f"{inner}{py(k)}: {py_block(v, indent + 4, width - len(py(k)) - 2).lstrip()}," for k, v in sorted(value.items())]
+        return "{\n" + "\n".join(items) + f"\n{pad}}}"
+    items = [f"{inner}{py_block(v, indent + 4, width).lstrip()}," for v in value]
+    opening, closing = ("(", ")") if isinstance(value, tuple) else ("[", "]")
+    return opening + "\n" + "\n".join(items) + f"\n{pad}{closing}"
+
+
 @functools.lru_cache(maxsize=1)
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(
@@ -54,6 +68,7 @@ def environment() -> jinja2.Environment:
         auto_reload=False,   # one process renders one tree: never stat a template twice
     )
     env.filters["py"] = py
+    env.filters["py_block"] = py_block
     return env
 
 

@@ -11,7 +11,21 @@ MODEL = 'mixtral_8x7b'
 FAMILY = 'mixtral'
 
 # The model's HF-style config, as its declaration gives it.
-CONFIG = {'architectures': ['MixtralForCausalLM'], 'hidden_size': 4096, 'intermediate_size': 14336, 'max_position_embeddings': 32768, 'num_attention_heads': 32, 'num_experts_per_tok': 2, 'num_hidden_layers': 32, 'num_key_value_heads': 8, 'num_local_experts': 8, 'rms_norm_eps': 1e-05, 'rope_theta': 1000000.0, 'tie_word_embeddings': False, 'vocab_size': 32000}
+CONFIG = {
+    'architectures': ['MixtralForCausalLM'],
+    'hidden_size': 4096,
+    'intermediate_size': 14336,
+    'max_position_embeddings': 32768,
+    'num_attention_heads': 32,
+    'num_experts_per_tok': 2,
+    'num_hidden_layers': 32,
+    'num_key_value_heads': 8,
+    'num_local_experts': 8,
+    'rms_norm_eps': 1e-05,
+    'rope_theta': 1000000.0,
+    'tie_word_embeddings': False,
+    'vocab_size': 32000,
+}
 
 # Named parallel profiles (besides tp<N>, tp<N>_moetp<X>ep<Y>, dep<N>): name -> (tp, moe_tp, ep, dp).
 PROFILES = {}
@@ -20,7 +34,249 @@ PROFILES = {}
 QUANT = {'mixtral_8x7b_bf16': {'exclude_modules': [], 'quant_algo': None, 'quantized_layers': []}}
 
 # Per checkpoint: every MoE layer's experts module and checkpoint format, and the drafts.
-FACTS = {'mixtral_8x7b_bf16': {'checkpoint': 'mixtral_8x7b_bf16', 'drafts': [], 'excluded_layers': 'tactic', 'family': 'mixtral', 'model': 'mixtral_8x7b', 'shape': {'activation': 'silu_glu', 'expert_bias': False, 'hidden_size': 4096, 'intermediate_size': 14336, 'num_experts': 8, 'top_k': 2}, 'sites': [[0, 'model.layers.0.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [1, 'model.layers.1.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [2, 'model.layers.2.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [3, 'model.layers.3.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [4, 'model.layers.4.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [5, 'model.layers.5.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [6, 'model.layers.6.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [7, 'model.layers.7.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [8, 'model.layers.8.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [9, 'model.layers.9.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [10, 'model.layers.10.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [11, 'model.layers.11.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [12, 'model.layers.12.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [13, 'model.layers.13.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [14, 'model.layers.14.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [15, 'model.layers.15.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [16, 'model.layers.16.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [17, 'model.layers.17.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [18, 'model.layers.18.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [19, 'model.layers.19.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [20, 'model.layers.20.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [21, 'model.layers.21.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [22, 'model.layers.22.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [23, 'model.layers.23.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [24, 'model.layers.24.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [25, 'model.layers.25.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [26, 'model.layers.26.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [27, 'model.layers.27.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [28, 'model.layers.28.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [29, 'model.layers.29.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [30, 'model.layers.30.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [31, 'model.layers.31.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False]]}}
+FACTS = {
+    'mixtral_8x7b_bf16': {
+        'checkpoint': 'mixtral_8x7b_bf16',
+        'drafts': [],
+        'excluded_layers': 'tactic',
+        'family': 'mixtral',
+        'model': 'mixtral_8x7b',
+        'shape': {
+            'activation': 'silu_glu',
+            'expert_bias': False,
+            'hidden_size': 4096,
+            'intermediate_size': 14336,
+            'num_experts': 8,
+            'top_k': 2,
+        },
+        'sites': [
+            [
+                0,
+                'model.layers.0.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                1,
+                'model.layers.1.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                2,
+                'model.layers.2.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                3,
+                'model.layers.3.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                4,
+                'model.layers.4.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                5,
+                'model.layers.5.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                6,
+                'model.layers.6.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                7,
+                'model.layers.7.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                8,
+                'model.layers.8.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                9,
+                'model.layers.9.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                10,
+                'model.layers.10.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                11,
+                'model.layers.11.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                12,
+                'model.layers.12.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                13,
+                'model.layers.13.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                14,
+                'model.layers.14.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                15,
+                'model.layers.15.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                16,
+                'model.layers.16.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                17,
+                'model.layers.17.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                18,
+                'model.layers.18.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                19,
+                'model.layers.19.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                20,
+                'model.layers.20.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                21,
+                'model.layers.21.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                22,
+                'model.layers.22.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                23,
+                'model.layers.23.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                24,
+                'model.layers.24.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                25,
+                'model.layers.25.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                26,
+                'model.layers.26.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                27,
+                'model.layers.27.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                28,
+                'model.layers.28.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                29,
+                'model.layers.29.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                30,
+                'model.layers.30.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                31,
+                'model.layers.31.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+        ],
+    },
+}
 
 # Per draft: its own config when it is a separate model (external drafters), else None.
 DRAFT_CONFIGS = {}

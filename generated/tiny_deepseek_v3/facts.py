@@ -11,16 +11,170 @@ MODEL = 'tiny_deepseek_v3'
 FAMILY = 'deepseek_v3'
 
 # The model's HF-style config, as its declaration gives it.
-CONFIG = {'architectures': ['DeepseekV3ForCausalLM'], 'first_k_dense_replace': 1, 'hidden_size': 128, 'intermediate_size': 256, 'kv_lora_rank': 32, 'max_position_embeddings': 512, 'moe_intermediate_size': 128, 'n_group': 2, 'n_routed_experts': 8, 'n_shared_experts': 1, 'norm_topk_prob': True, 'num_attention_heads': 4, 'num_experts_per_tok': 2, 'num_hidden_layers': 3, 'num_key_value_heads': 4, 'num_nextn_predict_layers': 1, 'q_lora_rank': 64, 'qk_nope_head_dim': 16, 'qk_rope_head_dim': 8, 'rms_norm_eps': 1e-06, 'rope_scaling': {'beta_fast': 32.0, 'beta_slow': 1.0, 'factor': 4.0, 'mscale': 1.0, 'mscale_all_dim': 1.0, 'original_max_position_embeddings': 128, 'type': 'yarn'}, 'rope_theta': 10000.0, 'routed_scaling_factor': 2.5, 'tie_word_embeddings': False, 'topk_group': 1, 'v_head_dim': 16, 'vocab_size': 512}
+CONFIG = {
+    'architectures': ['DeepseekV3ForCausalLM'],
+    'first_k_dense_replace': 1,
+    'hidden_size': 128,
+    'intermediate_size': 256,
+    'kv_lora_rank': 32,
+    'max_position_embeddings': 512,
+    'moe_intermediate_size': 128,
+    'n_group': 2,
+    'n_routed_experts': 8,
+    'n_shared_experts': 1,
+    'norm_topk_prob': True,
+    'num_attention_heads': 4,
+    'num_experts_per_tok': 2,
+    'num_hidden_layers': 3,
+    'num_key_value_heads': 4,
+    'num_nextn_predict_layers': 1,
+    'q_lora_rank': 64,
+    'qk_nope_head_dim': 16,
+    'qk_rope_head_dim': 8,
+    'rms_norm_eps': 1e-06,
+    'rope_scaling': {
+        'beta_fast': 32.0,
+        'beta_slow': 1.0,
+        'factor': 4.0,
+        'mscale': 1.0,
+        'mscale_all_dim': 1.0,
+        'original_max_position_embeddings': 128,
+        'type': 'yarn',
+    },
+    'rope_theta': 10000.0,
+    'routed_scaling_factor': 2.5,
+    'tie_word_embeddings': False,
+    'topk_group': 1,
+    'v_head_dim': 16,
+    'vocab_size': 512,
+}
 
 # Named parallel profiles (besides tp<N>, tp<N>_moetp<X>ep<Y>, dep<N>): name -> (tp, moe_tp, ep, dp).
 PROFILES = {}
 
 # Per checkpoint: its quant metadata as FN1 reads it (matched against a checkpoint folder's files).
-QUANT = {'tiny_deepseek_v3_bf16': {'exclude_modules': [], 'quant_algo': None, 'quantized_layers': []}, 'tiny_deepseek_v3_fp8': {'exclude_modules': ['lm_head', 'model.layers.*.mlp.gate'], 'quant_algo': 'FP8_BLOCK_SCALES', 'quantized_layers': []}}
+QUANT = {
+    'tiny_deepseek_v3_bf16': {'exclude_modules': [], 'quant_algo': None, 'quantized_layers': []},
+    'tiny_deepseek_v3_fp8': {
+        'exclude_modules': ['lm_head', 'model.layers.*.mlp.gate'],
+        'quant_algo': 'FP8_BLOCK_SCALES',
+        'quantized_layers': [],
+    },
+}
 
 # Per checkpoint: every MoE layer's experts module and checkpoint format, and the drafts.
-FACTS = {'tiny_deepseek_v3_bf16': {'checkpoint': 'tiny_deepseek_v3_bf16', 'drafts': [{'kind': 'embedded_mtp', 'modes': ['mtp'], 'name': 'tiny_deepseek_v3_mtp', 'shape': {'activation': 'silu_glu', 'expert_bias': False, 'hidden_size': 128, 'intermediate_size': 128, 'num_experts': 8, 'top_k': 2}, 'sites': [[3, 'model.layers.3.mlp.experts', 'bf16', 'unquantized checkpoint', False]], 'vanilla_with_target': False}], 'excluded_layers': 'tactic', 'family': 'deepseek_v3', 'model': 'tiny_deepseek_v3', 'shape': {'activation': 'silu_glu', 'expert_bias': False, 'hidden_size': 128, 'intermediate_size': 128, 'num_experts': 8, 'top_k': 2}, 'sites': [[1, 'model.layers.1.mlp.experts', 'bf16', 'unquantized checkpoint', False], [2, 'model.layers.2.mlp.experts', 'bf16', 'unquantized checkpoint', False]]}, 'tiny_deepseek_v3_fp8': {'checkpoint': 'tiny_deepseek_v3_fp8', 'drafts': [{'kind': 'embedded_mtp', 'modes': ['mtp'], 'name': 'tiny_deepseek_v3_mtp', 'shape': {'activation': 'silu_glu', 'expert_bias': False, 'hidden_size': 128, 'intermediate_size': 128, 'num_experts': 8, 'top_k': 2}, 'sites': [[3, 'model.layers.3.mlp.experts', 'fp8_block_scales', 'checkpoint quant_algo FP8_BLOCK_SCALES', False]], 'vanilla_with_target': False}], 'excluded_layers': 'tactic', 'family': 'deepseek_v3', 'model': 'tiny_deepseek_v3', 'shape': {'activation': 'silu_glu', 'expert_bias': False, 'hidden_size': 128, 'intermediate_size': 128, 'num_experts': 8, 'top_k': 2}, 'sites': [[1, 'model.layers.1.mlp.experts', 'fp8_block_scales', 'checkpoint quant_algo FP8_BLOCK_SCALES', False], [2, 'model.layers.2.mlp.experts', 'fp8_block_scales', 'checkpoint quant_algo FP8_BLOCK_SCALES', False]]}}
+FACTS = {
+    'tiny_deepseek_v3_bf16': {
+        'checkpoint': 'tiny_deepseek_v3_bf16',
+        'drafts': [
+            {
+                'kind': 'embedded_mtp',
+                'modes': ['mtp'],
+                'name': 'tiny_deepseek_v3_mtp',
+                'shape': {
+                    'activation': 'silu_glu',
+                    'expert_bias': False,
+                    'hidden_size': 128,
+                    'intermediate_size': 128,
+                    'num_experts': 8,
+                    'top_k': 2,
+                },
+                'sites': [
+                    [
+                        3,
+                        'model.layers.3.mlp.experts',
+                        'bf16',
+                        'unquantized checkpoint',
+                        False,
+                    ],
+                ],
+                'vanilla_with_target': False,
+            },
+        ],
+        'excluded_layers': 'tactic',
+        'family': 'deepseek_v3',
+        'model': 'tiny_deepseek_v3',
+        'shape': {
+            'activation': 'silu_glu',
+            'expert_bias': False,
+            'hidden_size': 128,
+            'intermediate_size': 128,
+            'num_experts': 8,
+            'top_k': 2,
+        },
+        'sites': [
+            [
+                1,
+                'model.layers.1.mlp.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                2,
+                'model.layers.2.mlp.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+        ],
+    },
+    'tiny_deepseek_v3_fp8': {
+        'checkpoint': 'tiny_deepseek_v3_fp8',
+        'drafts': [
+            {
+                'kind': 'embedded_mtp',
+                'modes': ['mtp'],
+                'name': 'tiny_deepseek_v3_mtp',
+                'shape': {
+                    'activation': 'silu_glu',
+                    'expert_bias': False,
+                    'hidden_size': 128,
+                    'intermediate_size': 128,
+                    'num_experts': 8,
+                    'top_k': 2,
+                },
+                'sites': [
+                    [
+                        3,
+                        'model.layers.3.mlp.experts',
+                        'fp8_block_scales',
+                        'checkpoint quant_algo FP8_BLOCK_SCALES',
+                        False,
+                    ],
+                ],
+                'vanilla_with_target': False,
+            },
+        ],
+        'excluded_layers': 'tactic',
+        'family': 'deepseek_v3',
+        'model': 'tiny_deepseek_v3',
+        'shape': {
+            'activation': 'silu_glu',
+            'expert_bias': False,
+            'hidden_size': 128,
+            'intermediate_size': 128,
+            'num_experts': 8,
+            'top_k': 2,
+        },
+        'sites': [
+            [
+                1,
+                'model.layers.1.mlp.experts',
+                'fp8_block_scales',
+                'checkpoint quant_algo FP8_BLOCK_SCALES',
+                False,
+            ],
+            [
+                2,
+                'model.layers.2.mlp.experts',
+                'fp8_block_scales',
+                'checkpoint quant_algo FP8_BLOCK_SCALES',
+                False,
+            ],
+        ],
+    },
+}
 
 # Per draft: its own config when it is a separate model (external drafters), else None.
 DRAFT_CONFIGS = {'tiny_deepseek_v3_mtp': None}

@@ -11,7 +11,33 @@ MODEL = 'tiny_glm4_moe'
 FAMILY = 'glm4_moe'
 
 # The model's HF-style config, as its declaration gives it.
-CONFIG = {'architectures': ['Glm4MoeForCausalLM'], 'attention_bias': True, 'first_k_dense_replace': 1, 'head_dim': 16, 'hidden_size': 64, 'intermediate_size': 128, 'max_position_embeddings': 512, 'moe_intermediate_size': 32, 'n_group': 1, 'n_routed_experts': 8, 'n_shared_experts': 1, 'norm_topk_prob': True, 'num_attention_heads': 4, 'num_experts_per_tok': 2, 'num_hidden_layers': 3, 'num_key_value_heads': 2, 'num_nextn_predict_layers': 1, 'partial_rotary_factor': 0.5, 'rms_norm_eps': 1e-05, 'rope_theta': 10000.0, 'routed_scaling_factor': 2.5, 'tie_word_embeddings': False, 'topk_group': 1, 'use_qk_norm': True, 'vocab_size': 512}
+CONFIG = {
+    'architectures': ['Glm4MoeForCausalLM'],
+    'attention_bias': True,
+    'first_k_dense_replace': 1,
+    'head_dim': 16,
+    'hidden_size': 64,
+    'intermediate_size': 128,
+    'max_position_embeddings': 512,
+    'moe_intermediate_size': 32,
+    'n_group': 1,
+    'n_routed_experts': 8,
+    'n_shared_experts': 1,
+    'norm_topk_prob': True,
+    'num_attention_heads': 4,
+    'num_experts_per_tok': 2,
+    'num_hidden_layers': 3,
+    'num_key_value_heads': 2,
+    'num_nextn_predict_layers': 1,
+    'partial_rotary_factor': 0.5,
+    'rms_norm_eps': 1e-05,
+    'rope_theta': 10000.0,
+    'routed_scaling_factor': 2.5,
+    'tie_word_embeddings': False,
+    'topk_group': 1,
+    'use_qk_norm': True,
+    'vocab_size': 512,
+}
 
 # Named parallel profiles (besides tp<N>, tp<N>_moetp<X>ep<Y>, dep<N>): name -> (tp, moe_tp, ep, dp).
 PROFILES = {}
@@ -20,7 +46,63 @@ PROFILES = {}
 QUANT = {'tiny_glm4_moe_bf16': {'exclude_modules': [], 'quant_algo': None, 'quantized_layers': []}}
 
 # Per checkpoint: every MoE layer's experts module and checkpoint format, and the drafts.
-FACTS = {'tiny_glm4_moe_bf16': {'checkpoint': 'tiny_glm4_moe_bf16', 'drafts': [{'kind': 'embedded_mtp', 'modes': ['mtp'], 'name': 'tiny_glm4_moe_mtp', 'shape': {'activation': 'silu_glu', 'expert_bias': False, 'hidden_size': 64, 'intermediate_size': 32, 'num_experts': 8, 'top_k': 2}, 'sites': [[3, 'model.layers.3.mlp.experts', 'bf16', 'unquantized checkpoint', False]], 'vanilla_with_target': False}], 'excluded_layers': 'tactic', 'family': 'glm4_moe', 'model': 'tiny_glm4_moe', 'shape': {'activation': 'silu_glu', 'expert_bias': False, 'hidden_size': 64, 'intermediate_size': 32, 'num_experts': 8, 'top_k': 2}, 'sites': [[1, 'model.layers.1.mlp.experts', 'bf16', 'unquantized checkpoint', False], [2, 'model.layers.2.mlp.experts', 'bf16', 'unquantized checkpoint', False]]}}
+FACTS = {
+    'tiny_glm4_moe_bf16': {
+        'checkpoint': 'tiny_glm4_moe_bf16',
+        'drafts': [
+            {
+                'kind': 'embedded_mtp',
+                'modes': ['mtp'],
+                'name': 'tiny_glm4_moe_mtp',
+                'shape': {
+                    'activation': 'silu_glu',
+                    'expert_bias': False,
+                    'hidden_size': 64,
+                    'intermediate_size': 32,
+                    'num_experts': 8,
+                    'top_k': 2,
+                },
+                'sites': [
+                    [
+                        3,
+                        'model.layers.3.mlp.experts',
+                        'bf16',
+                        'unquantized checkpoint',
+                        False,
+                    ],
+                ],
+                'vanilla_with_target': False,
+            },
+        ],
+        'excluded_layers': 'tactic',
+        'family': 'glm4_moe',
+        'model': 'tiny_glm4_moe',
+        'shape': {
+            'activation': 'silu_glu',
+            'expert_bias': False,
+            'hidden_size': 64,
+            'intermediate_size': 32,
+            'num_experts': 8,
+            'top_k': 2,
+        },
+        'sites': [
+            [
+                1,
+                'model.layers.1.mlp.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                2,
+                'model.layers.2.mlp.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+        ],
+    },
+}
 
 # Per draft: its own config when it is a separate model (external drafters), else None.
 DRAFT_CONFIGS = {'tiny_glm4_moe_mtp': None}

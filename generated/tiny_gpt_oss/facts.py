@@ -11,16 +11,117 @@ MODEL = 'tiny_gpt_oss'
 FAMILY = 'gpt_oss'
 
 # The model's HF-style config, as its declaration gives it.
-CONFIG = {'architectures': ['GptOssForCausalLM'], 'attention_bias': True, 'head_dim': 16, 'hidden_size': 64, 'intermediate_size': 64, 'layer_types': ['sliding_attention', 'full_attention'], 'max_position_embeddings': 512, 'num_attention_heads': 4, 'num_experts_per_tok': 2, 'num_hidden_layers': 2, 'num_key_value_heads': 2, 'num_local_experts': 4, 'rms_norm_eps': 1e-05, 'rope_scaling': {'beta_fast': 32.0, 'beta_slow': 1.0, 'factor': 32.0, 'original_max_position_embeddings': 4096, 'rope_type': 'yarn'}, 'rope_theta': 150000.0, 'sliding_window': 8, 'swiglu_limit': 7.0, 'tie_word_embeddings': False, 'vocab_size': 512}
+CONFIG = {
+    'architectures': ['GptOssForCausalLM'],
+    'attention_bias': True,
+    'head_dim': 16,
+    'hidden_size': 64,
+    'intermediate_size': 64,
+    'layer_types': ['sliding_attention', 'full_attention'],
+    'max_position_embeddings': 512,
+    'num_attention_heads': 4,
+    'num_experts_per_tok': 2,
+    'num_hidden_layers': 2,
+    'num_key_value_heads': 2,
+    'num_local_experts': 4,
+    'rms_norm_eps': 1e-05,
+    'rope_scaling': {
+        'beta_fast': 32.0,
+        'beta_slow': 1.0,
+        'factor': 32.0,
+        'original_max_position_embeddings': 4096,
+        'rope_type': 'yarn',
+    },
+    'rope_theta': 150000.0,
+    'sliding_window': 8,
+    'swiglu_limit': 7.0,
+    'tie_word_embeddings': False,
+    'vocab_size': 512,
+}
 
 # Named parallel profiles (besides tp<N>, tp<N>_moetp<X>ep<Y>, dep<N>): name -> (tp, moe_tp, ep, dp).
 PROFILES = {}
 
 # Per checkpoint: its quant metadata as FN1 reads it (matched against a checkpoint folder's files).
-QUANT = {'tiny_gpt_oss_bf16': {'exclude_modules': [], 'quant_algo': None, 'quantized_layers': []}, 'tiny_gpt_oss_mxfp4': {'exclude_modules': ['model.layers.*.self_attn', 'model.layers.*.mlp.router', 'model.embed_tokens', 'lm_head'], 'quant_algo': 'MXFP4', 'quantized_layers': []}}
+QUANT = {
+    'tiny_gpt_oss_bf16': {'exclude_modules': [], 'quant_algo': None, 'quantized_layers': []},
+    'tiny_gpt_oss_mxfp4': {
+        'exclude_modules': [
+            'model.layers.*.self_attn',
+            'model.layers.*.mlp.router',
+            'model.embed_tokens',
+            'lm_head',
+        ],
+        'quant_algo': 'MXFP4',
+        'quantized_layers': [],
+    },
+}
 
 # Per checkpoint: every MoE layer's experts module and checkpoint format, and the drafts.
-FACTS = {'tiny_gpt_oss_bf16': {'checkpoint': 'tiny_gpt_oss_bf16', 'drafts': [], 'excluded_layers': 'tactic', 'family': 'gpt_oss', 'model': 'tiny_gpt_oss', 'shape': {'activation': 'swiglu_oai', 'expert_bias': True, 'hidden_size': 64, 'intermediate_size': 64, 'num_experts': 4, 'top_k': 2}, 'sites': [[0, 'model.layers.0.mlp.experts', 'bf16', 'unquantized checkpoint', False], [1, 'model.layers.1.mlp.experts', 'bf16', 'unquantized checkpoint', False]]}, 'tiny_gpt_oss_mxfp4': {'checkpoint': 'tiny_gpt_oss_mxfp4', 'drafts': [], 'excluded_layers': 'tactic', 'family': 'gpt_oss', 'model': 'tiny_gpt_oss', 'shape': {'activation': 'swiglu_oai', 'expert_bias': True, 'hidden_size': 64, 'intermediate_size': 64, 'num_experts': 4, 'top_k': 2}, 'sites': [[0, 'model.layers.0.mlp.experts', 'mxfp4', 'checkpoint quant_algo MXFP4', False], [1, 'model.layers.1.mlp.experts', 'mxfp4', 'checkpoint quant_algo MXFP4', False]]}}
+FACTS = {
+    'tiny_gpt_oss_bf16': {
+        'checkpoint': 'tiny_gpt_oss_bf16',
+        'drafts': [],
+        'excluded_layers': 'tactic',
+        'family': 'gpt_oss',
+        'model': 'tiny_gpt_oss',
+        'shape': {
+            'activation': 'swiglu_oai',
+            'expert_bias': True,
+            'hidden_size': 64,
+            'intermediate_size': 64,
+            'num_experts': 4,
+            'top_k': 2,
+        },
+        'sites': [
+            [
+                0,
+                'model.layers.0.mlp.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                1,
+                'model.layers.1.mlp.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+        ],
+    },
+    'tiny_gpt_oss_mxfp4': {
+        'checkpoint': 'tiny_gpt_oss_mxfp4',
+        'drafts': [],
+        'excluded_layers': 'tactic',
+        'family': 'gpt_oss',
+        'model': 'tiny_gpt_oss',
+        'shape': {
+            'activation': 'swiglu_oai',
+            'expert_bias': True,
+            'hidden_size': 64,
+            'intermediate_size': 64,
+            'num_experts': 4,
+            'top_k': 2,
+        },
+        'sites': [
+            [
+                0,
+                'model.layers.0.mlp.experts',
+                'mxfp4',
+                'checkpoint quant_algo MXFP4',
+                False,
+            ],
+            [
+                1,
+                'model.layers.1.mlp.experts',
+                'mxfp4',
+                'checkpoint quant_algo MXFP4',
+                False,
+            ],
+        ],
+    },
+}
 
 # Per draft: its own config when it is a separate model (external drafters), else None.
 DRAFT_CONFIGS = {}

@@ -11,7 +11,43 @@ MODEL = 'tiny_kimi_k3'
 FAMILY = 'deepseek_v3'
 
 # The model's HF-style config, as its declaration gives it.
-CONFIG = {'architectures': ['DeepseekV3ForCausalLM'], 'first_k_dense_replace': 1, 'hidden_size': 128, 'intermediate_size': 256, 'kv_lora_rank': 32, 'max_position_embeddings': 512, 'moe_intermediate_size': 128, 'n_group': 1, 'n_routed_experts': 16, 'n_shared_experts': 1, 'norm_topk_prob': True, 'num_attention_heads': 16, 'num_experts_per_tok': 4, 'num_hidden_layers': 2, 'num_key_value_heads': 16, 'num_nextn_predict_layers': 0, 'q_lora_rank': 64, 'qk_nope_head_dim': 16, 'qk_rope_head_dim': 8, 'rms_norm_eps': 1e-06, 'rope_scaling': {'beta_fast': 1.0, 'beta_slow': 1.0, 'factor': 4.0, 'mscale': 1.0, 'mscale_all_dim': 1.0, 'original_max_position_embeddings': 128, 'type': 'yarn'}, 'rope_theta': 50000.0, 'routed_scaling_factor': 2.827, 'tie_word_embeddings': False, 'topk_group': 1, 'v_head_dim': 16, 'vocab_size': 512}
+CONFIG = {
+    'architectures': ['DeepseekV3ForCausalLM'],
+    'first_k_dense_replace': 1,
+    'hidden_size': 128,
+    'intermediate_size': 256,
+    'kv_lora_rank': 32,
+    'max_position_embeddings': 512,
+    'moe_intermediate_size': 128,
+    'n_group': 1,
+    'n_routed_experts': 16,
+    'n_shared_experts': 1,
+    'norm_topk_prob': True,
+    'num_attention_heads': 16,
+    'num_experts_per_tok': 4,
+    'num_hidden_layers': 2,
+    'num_key_value_heads': 16,
+    'num_nextn_predict_layers': 0,
+    'q_lora_rank': 64,
+    'qk_nope_head_dim': 16,
+    'qk_rope_head_dim': 8,
+    'rms_norm_eps': 1e-06,
+    'rope_scaling': {
+        'beta_fast': 1.0,
+        'beta_slow': 1.0,
+        'factor': 4.0,
+        'mscale': 1.0,
+        'mscale_all_dim': 1.0,
+        'original_max_position_embeddings': 128,
+        'type': 'yarn',
+    },
+    'rope_theta': 50000.0,
+    'routed_scaling_factor': 2.827,
+    'tie_word_embeddings': False,
+    'topk_group': 1,
+    'v_head_dim': 16,
+    'vocab_size': 512,
+}
 
 # Named parallel profiles (besides tp<N>, tp<N>_moetp<X>ep<Y>, dep<N>): name -> (tp, moe_tp, ep, dp).
 PROFILES = {}
@@ -20,7 +56,32 @@ PROFILES = {}
 QUANT = {'tiny_kimi_k3_mxfp4': {'exclude_modules': [], 'quant_algo': None, 'quantized_layers': []}}
 
 # Per checkpoint: every MoE layer's experts module and checkpoint format, and the drafts.
-FACTS = {'tiny_kimi_k3_mxfp4': {'checkpoint': 'tiny_kimi_k3_mxfp4', 'drafts': [], 'excluded_layers': 'tactic', 'family': 'deepseek_v3', 'model': 'tiny_kimi_k3', 'shape': {'activation': 'silu_glu', 'expert_bias': False, 'hidden_size': 128, 'intermediate_size': 128, 'num_experts': 16, 'top_k': 4}, 'sites': [[1, 'model.layers.1.mlp.experts', 'mxfp4', 'model default routed format MXFP4', False]]}}
+FACTS = {
+    'tiny_kimi_k3_mxfp4': {
+        'checkpoint': 'tiny_kimi_k3_mxfp4',
+        'drafts': [],
+        'excluded_layers': 'tactic',
+        'family': 'deepseek_v3',
+        'model': 'tiny_kimi_k3',
+        'shape': {
+            'activation': 'silu_glu',
+            'expert_bias': False,
+            'hidden_size': 128,
+            'intermediate_size': 128,
+            'num_experts': 16,
+            'top_k': 4,
+        },
+        'sites': [
+            [
+                1,
+                'model.layers.1.mlp.experts',
+                'mxfp4',
+                'model default routed format MXFP4',
+                False,
+            ],
+        ],
+    },
+}
 
 # Per draft: its own config when it is a separate model (external drafters), else None.
 DRAFT_CONFIGS = {}

@@ -11,7 +11,24 @@ MODEL = 'tiny_minimax_m2'
 FAMILY = 'minimax_m2'
 
 # The model's HF-style config, as its declaration gives it.
-CONFIG = {'architectures': ['MiniMaxM2ForCausalLM'], 'head_dim': 16, 'hidden_size': 64, 'intermediate_size': 32, 'max_position_embeddings': 512, 'num_attention_heads': 4, 'num_experts_per_tok': 2, 'num_hidden_layers': 2, 'num_key_value_heads': 2, 'num_local_experts': 8, 'rms_norm_eps': 1e-06, 'rope_theta': 5000000.0, 'rotary_dim': 8, 'tie_word_embeddings': False, 'use_qk_norm': True, 'vocab_size': 512}
+CONFIG = {
+    'architectures': ['MiniMaxM2ForCausalLM'],
+    'head_dim': 16,
+    'hidden_size': 64,
+    'intermediate_size': 32,
+    'max_position_embeddings': 512,
+    'num_attention_heads': 4,
+    'num_experts_per_tok': 2,
+    'num_hidden_layers': 2,
+    'num_key_value_heads': 2,
+    'num_local_experts': 8,
+    'rms_norm_eps': 1e-06,
+    'rope_theta': 5000000.0,
+    'rotary_dim': 8,
+    'tie_word_embeddings': False,
+    'use_qk_norm': True,
+    'vocab_size': 512,
+}
 
 # Named parallel profiles (besides tp<N>, tp<N>_moetp<X>ep<Y>, dep<N>): name -> (tp, moe_tp, ep, dp).
 PROFILES = {}
@@ -20,7 +37,39 @@ PROFILES = {}
 QUANT = {'tiny_minimax_m2_bf16': {'exclude_modules': [], 'quant_algo': None, 'quantized_layers': []}}
 
 # Per checkpoint: every MoE layer's experts module and checkpoint format, and the drafts.
-FACTS = {'tiny_minimax_m2_bf16': {'checkpoint': 'tiny_minimax_m2_bf16', 'drafts': [], 'excluded_layers': 'tactic', 'family': 'minimax_m2', 'model': 'tiny_minimax_m2', 'shape': {'activation': 'silu_glu', 'expert_bias': False, 'hidden_size': 64, 'intermediate_size': 32, 'num_experts': 8, 'top_k': 2}, 'sites': [[0, 'model.layers.0.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False], [1, 'model.layers.1.block_sparse_moe.experts', 'bf16', 'unquantized checkpoint', False]]}}
+FACTS = {
+    'tiny_minimax_m2_bf16': {
+        'checkpoint': 'tiny_minimax_m2_bf16',
+        'drafts': [],
+        'excluded_layers': 'tactic',
+        'family': 'minimax_m2',
+        'model': 'tiny_minimax_m2',
+        'shape': {
+            'activation': 'silu_glu',
+            'expert_bias': False,
+            'hidden_size': 64,
+            'intermediate_size': 32,
+            'num_experts': 8,
+            'top_k': 2,
+        },
+        'sites': [
+            [
+                0,
+                'model.layers.0.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                1,
+                'model.layers.1.block_sparse_moe.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+        ],
+    },
+}
 
 # Per draft: its own config when it is a separate model (external drafters), else None.
 DRAFT_CONFIGS = {}

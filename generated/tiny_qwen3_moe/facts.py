@@ -11,7 +11,26 @@ MODEL = 'tiny_qwen3_moe'
 FAMILY = 'qwen3_moe'
 
 # The model's HF-style config, as its declaration gives it.
-CONFIG = {'architectures': ['Qwen3MoeForCausalLM'], 'decoder_sparse_step': 1, 'head_dim': 16, 'hidden_size': 64, 'intermediate_size': 128, 'max_position_embeddings': 512, 'mlp_only_layers': [], 'moe_intermediate_size': 32, 'norm_topk_prob': True, 'num_attention_heads': 4, 'num_experts': 8, 'num_experts_per_tok': 2, 'num_hidden_layers': 2, 'num_key_value_heads': 2, 'rms_norm_eps': 1e-06, 'rope_theta': 1000000.0, 'tie_word_embeddings': False, 'vocab_size': 512}
+CONFIG = {
+    'architectures': ['Qwen3MoeForCausalLM'],
+    'decoder_sparse_step': 1,
+    'head_dim': 16,
+    'hidden_size': 64,
+    'intermediate_size': 128,
+    'max_position_embeddings': 512,
+    'mlp_only_layers': [],
+    'moe_intermediate_size': 32,
+    'norm_topk_prob': True,
+    'num_attention_heads': 4,
+    'num_experts': 8,
+    'num_experts_per_tok': 2,
+    'num_hidden_layers': 2,
+    'num_key_value_heads': 2,
+    'rms_norm_eps': 1e-06,
+    'rope_theta': 1000000.0,
+    'tie_word_embeddings': False,
+    'vocab_size': 512,
+}
 
 # Named parallel profiles (besides tp<N>, tp<N>_moetp<X>ep<Y>, dep<N>): name -> (tp, moe_tp, ep, dp).
 PROFILES = {}
@@ -20,7 +39,39 @@ PROFILES = {}
 QUANT = {'tiny_qwen3_moe_bf16': {'exclude_modules': [], 'quant_algo': None, 'quantized_layers': []}}
 
 # Per checkpoint: every MoE layer's experts module and checkpoint format, and the drafts.
-FACTS = {'tiny_qwen3_moe_bf16': {'checkpoint': 'tiny_qwen3_moe_bf16', 'drafts': [], 'excluded_layers': 'tactic', 'family': 'qwen3_moe', 'model': 'tiny_qwen3_moe', 'shape': {'activation': 'silu_glu', 'expert_bias': False, 'hidden_size': 64, 'intermediate_size': 32, 'num_experts': 8, 'top_k': 2}, 'sites': [[0, 'model.layers.0.mlp.experts', 'bf16', 'unquantized checkpoint', False], [1, 'model.layers.1.mlp.experts', 'bf16', 'unquantized checkpoint', False]]}}
+FACTS = {
+    'tiny_qwen3_moe_bf16': {
+        'checkpoint': 'tiny_qwen3_moe_bf16',
+        'drafts': [],
+        'excluded_layers': 'tactic',
+        'family': 'qwen3_moe',
+        'model': 'tiny_qwen3_moe',
+        'shape': {
+            'activation': 'silu_glu',
+            'expert_bias': False,
+            'hidden_size': 64,
+            'intermediate_size': 32,
+            'num_experts': 8,
+            'top_k': 2,
+        },
+        'sites': [
+            [
+                0,
+                'model.layers.0.mlp.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+            [
+                1,
+                'model.layers.1.mlp.experts',
+                'bf16',
+                'unquantized checkpoint',
+                False,
+            ],
+        ],
+    },
+}
 
 # Per draft: its own config when it is a separate model (external drafters), else None.
 DRAFT_CONFIGS = {}
