@@ -286,6 +286,26 @@ def reduce_scatter(x: torch.Tensor, dim: int = 0, group=TP) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
+def all_to_all(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group=WORLD) -> torch.Tensor:
+    """Rows `x[sum(send_counts[:r]) : ...]` go to rank r; returns the rows received, in rank order."""
+    size, pg = _resolve(group)
+    if size == 1:
+        return x
+    out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=pg)
+    return out
+
+
+def exchange_counts(send_counts: torch.Tensor, group=WORLD) -> list[int]:
+    """Each rank's row counts for this rank, given this rank's counts for each of them (a host sync)."""
+    size, pg = _resolve(group)
+    if size == 1:
+        return send_counts.tolist()
+    recv = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv, send_counts.contiguous(), group=pg)
+    return recv.tolist()
+
+
 def group_rank(group=TP) -> int:
     size, pg = _resolve(group)
     return 0 if size == 1 else dist.get_rank(pg)

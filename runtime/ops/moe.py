@@ -68,6 +68,7 @@ class MoEBlock(nn.Module):
         # Which collectives run is decided here, once, from the layout.
         self.world = layout.world
         self.dp = layout.dp
+        self.tp = layout.tp
 
     def _routed(self, x: torch.Tensor) -> torch.Tensor:
         route = self._parts[0]
@@ -98,9 +99,17 @@ class MoEBlock(nn.Module):
                 out = out + shared
             if self.world > 1:
                 out = parallel.all_reduce(out, parallel.WORLD)
+        elif self.tp == 1:
+            # Attention data parallel with expert parallel (dep<N>): each rank holds its own tokens, so
+            # each (token, expert) pair travels to the rank that owns the expert and back (all-to-all
+            # dispatch and combine); replicas may hold different token counts.
+            out = self._routed_all_to_all(x)
+            shared = self._shared_out(x)
+            if shared is not None:
+                out = out + shared
         else:
-            # Replicas hold different tokens (equal counts per replica): route everyone's tokens on every
-            # rank, sum the experts' partial outputs over the world, keep this replica's rows.
+            # Replicas of TP groups: route everyone's tokens on every rank (equal counts per replica), sum
+            # the experts' partial outputs over the world, keep this replica's rows.
             tokens = parallel.all_gather(x, dim=0, group=parallel.DP)
             routed = parallel.all_reduce(self._routed(tokens), parallel.WORLD)
             out = routed.chunk(self.dp, dim=0)[parallel.group_rank(parallel.DP)]
@@ -108,3 +117,27 @@ class MoEBlock(nn.Module):
             if shared is not None:
                 out = out + parallel.all_reduce(shared, parallel.TP)
         return out.reshape(shape)
+
+    def _routed_all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        route = self._parts[0]
+        if self.e_score_correction_bias is None:
+            ids, weights = route(x)
+        else:
+            ids, weights = route(x, self.e_score_correction_bias)
+        tokens, k = ids.shape
+        # Experts are split over the world in contiguous blocks, as ExpertParallel assigns them.
+        per_rank = route.weight.shape[0] // self.world
+        dest = (ids // per_rank).reshape(-1)
+        order = torch.argsort(dest, stable=True)
+        send = torch.bincount(dest, minlength=self.world)
+        recv = parallel.exchange_counts(send)
+        send = send.tolist()
+        rows = parallel.all_to_all(x.repeat_interleave(k, dim=0)[order], send, recv)
+        pair_ids = parallel.all_to_all(ids.reshape(-1)[order], send, recv)
+        pair_weights = parallel.all_to_all(weights.reshape(-1)[order], send, recv)
+        # Each received row is one pair: an experts call with top-k 1 weights it by its routing weight.
+        done = self.experts(rows, pair_ids[:, None], pair_weights[:, None])
+        back = parallel.all_to_all(done, recv, send)
+        out = torch.empty_like(back)
+        out[order] = back
+        return out.view(tokens, k, -1).sum(dim=1, dtype=torch.float32).to(x.dtype)
