@@ -129,8 +129,10 @@ def _context(decl: Declaration, plan: BuildPlan, registry: Registry, generic: bo
     for impl_id in impls:
         impl = registry.impl(impl_id)
         imports.setdefault(impl.module, []).append(impl.class_name)
+    experts_per_rank = decl.family.shape(decl.config).num_experts // plan.layout[2] if plan.layout else None
     return dict(
         plan=plan,
+        experts_per_rank=experts_per_rank,
         family=family,
         generic=generic,
         c=c,

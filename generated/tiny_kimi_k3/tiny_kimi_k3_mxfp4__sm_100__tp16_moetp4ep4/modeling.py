@@ -28,6 +28,8 @@ CHECKPOINT = 'tiny_kimi_k3_mxfp4'
 SM = 100
 PARALLEL = 'tp16_moetp4ep4'
 LAYOUT = Layout(tp=16, moe_tp=4, ep=4, dp=1)
+# Expert -> rank map: EP rank r owns experts [4 * r, 4 * (r + 1)) of every MoE layer,
+# each split 4-way by intermediate over the ranks 4 * r .. 4 * r + 3.
 # The ids this target honors (RULES TG2), and what it binds: id -> (experts class, backend family).
 MOE_IMPLS_HONORED = ('torch.grouped_mm.grouped_gemm.w4a16_mxfp4',)
 DRAFT_MOE_IMPLS_HONORED = None

@@ -28,6 +28,7 @@ CHECKPOINT = 'tiny_qwen3_moe_bf16'
 SM = 90
 PARALLEL = 'tp2_moetp1ep2'
 LAYOUT = Layout(tp=2, moe_tp=1, ep=2, dp=1)
+# Expert -> rank map: EP rank r owns experts [4 * r, 4 * (r + 1)) of every MoE layer.
 # The ids this target honors (RULES TG2), and what it binds: id -> (experts class, backend family).
 MOE_IMPLS_HONORED = ('torch.grouped_mm.grouped_gemm.bf16',)
 DRAFT_MOE_IMPLS_HONORED = None
