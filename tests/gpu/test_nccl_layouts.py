@@ -38,10 +38,12 @@ try:
 except ImportError:  # a plain script run on a host without pytest
     pytest = None
 
-MODEL, CHECKPOINT, PARALLEL = "tiny_qwen3_moe", "tiny_qwen3_moe_bf16", "tp2_moetp1ep2"
+# tp2_moetp1ep2: attention TP + expert parallel (one all-reduce); dep2: attention data parallel + expert
+# parallel (all-to-all dispatch and combine).
+MODEL, CHECKPOINT, PARALLELS = "tiny_qwen3_moe", "tiny_qwen3_moe_bf16", ("tp2_moetp1ep2", "dep2")
 
 
-def run_check(device: str = "cuda") -> dict:
+def run_check(device: str = "cuda", parallel: str = PARALLELS[0]) -> dict:
     """Both runs, compared; returns the record written to $OUT/nccl_layouts.json (`device="cpu"`: the
     same check on gloo, to try the script without GPUs)."""
     from generated import run
@@ -54,7 +56,7 @@ def run_check(device: str = "cuda") -> dict:
     sm = torch.cuda.get_device_capability(0)[0] * 10 + torch.cuda.get_device_capability(0)[1] if cuda else 90
     tokens = common.TOKENS
     record = {
-        "check": f"{MODEL} {PARALLEL} on 2 ranks vs tp1 on 1 rank, {device} ({'NCCL' if cuda else 'gloo'})",
+        "check": f"{MODEL} {parallel} on 2 ranks vs tp1 on 1 rank, {device} ({'NCCL' if cuda else 'gloo'})",
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
         "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else ["cpu"],
@@ -73,7 +75,7 @@ def run_check(device: str = "cuda") -> dict:
                  ("off", True, "fp32 VANILLA, generic")]
         one = launch(forward_jobs, 1, (run.load_model, [job("tp1", "auto"), job("tp1", "off", True)]),
                      device=device, timeout_s=120, job_timeout_s=240)[0]
-        two = launch(forward_jobs, 2, (run.load_model, [job(PARALLEL, mode, fp32) for mode, fp32, _ in kinds]),
+        two = launch(forward_jobs, 2, (run.load_model, [job(parallel, mode, fp32) for mode, fp32, _ in kinds]),
                      device=device, timeout_s=120, job_timeout_s=240)[0]
     references = {False: one[0], True: one[1]}
     ok = True
@@ -95,11 +97,11 @@ def run_check(device: str = "cuda") -> dict:
     return record
 
 
-def _report(record: dict) -> None:
+def _report(record: dict, parallel: str) -> None:
     text = json.dumps(record, indent=2)
     print(text)
     if os.environ.get("OUT"):
-        out = Path(os.environ["OUT"]) / "nccl_layouts.json"
+        out = Path(os.environ["OUT"]) / f"nccl_layouts_{parallel}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
         print(f"written to {out}")
@@ -109,17 +111,19 @@ if pytest is not None:
 
     @pytest.mark.gpu
     @pytest.mark.slow
-    def test_tp2_moetp1ep2_on_two_gpus_reproduces_the_single_gpu_logits():
+    @pytest.mark.parametrize("parallel", PARALLELS)
+    def test_a_two_gpu_layout_reproduces_the_single_gpu_logits(parallel):
         if torch.cuda.device_count() < 2:
             pytest.skip("needs two CUDA GPUs")
-        record = run_check()
-        _report(record)
+        record = run_check(parallel=parallel)
+        _report(record, parallel)
         assert record["ok"], json.dumps(record["runs"], indent=2)
 
 
 if __name__ == "__main__":
     if torch.cuda.device_count() < 2:
         sys.exit(f"needs two CUDA GPUs; this host has {torch.cuda.device_count()}")
-    result = run_check()
-    _report(result)
-    sys.exit(0 if result["ok"] else 1)
+    results = [run_check(parallel=p) for p in PARALLELS]
+    for p, result in zip(PARALLELS, results):
+        _report(result, p)
+    sys.exit(0 if all(r["ok"] for r in results) else 1)
