@@ -19,6 +19,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from runtime.kernels import router as router_kernel
+
+def _fused(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, n_group: int = 1) -> bool:
+    """A bf16 decode batch on a CUDA device goes through the fused router kernel (runtime/kernels/router.py):
+    one launch instead of a dozen; the same rule and numerics, shapes fixed per call (CUDA-graph safe)."""
+    return hidden.is_cuda and router_kernel.applies(hidden, weight, top_k, n_group)
+
+
 # transformers adds this to the normaliser of the sigmoid routers; the DeepSeek reference adds nothing.
 # It only matters when every chosen score underflows, and keeps the weights finite there.
 NORM_EPS = 1e-20
@@ -99,6 +107,11 @@ class SoftmaxTopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if _fused(hidden, self.weight, self.top_k) and (self.fp32_gemm or self.weight.dtype == hidden.dtype):
+            return router_kernel.route(
+                hidden, self.weight, self.top_k, router_kernel.SOFTMAX, round_logits=not self.fp32_gemm,
+                renormalize=self.norm_topk_prob,
+            )
         if self.fp32_gemm:
             logits = F.linear(hidden.float(), self.weight.float())
         else:
@@ -159,11 +172,21 @@ class SigmoidTopKRouter(nn.Module):
     def forward(
         self, hidden: torch.Tensor, correction_bias: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        bias = self.e_score_correction_bias if correction_bias is None else correction_bias
+        if (
+            _fused(hidden, self.weight, self.top_k, self.n_group)
+            and (self.fp32_gemm or self.weight.dtype == hidden.dtype)
+            and (self.topk_group >= self.n_group or self.group_mask_fill == float("-inf"))
+        ):
+            return router_kernel.route(
+                hidden, self.weight, self.top_k, router_kernel.SIGMOID, choice_bias=bias, round_logits=not self.fp32_gemm,
+                n_group=self.n_group, topk_group=self.topk_group, renormalize=self.norm_topk_prob,
+                scale=self.routed_scaling_factor,
+            )
         if self.fp32_gemm:
             logits = F.linear(hidden.float(), self.weight.float())
         else:
             logits = F.linear(hidden.to(self.weight.dtype), self.weight)
-        bias = self.e_score_correction_bias if correction_bias is None else correction_bias
         return sigmoid_grouped_topk(
             logits,
             bias,
@@ -190,5 +213,9 @@ class LinearTopKSoftmaxRouter(nn.Module):
         self.bias = nn.Parameter(torch.empty(num_experts, dtype=dtype), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if _fused(hidden, self.weight, self.top_k) and self.weight.dtype == hidden.dtype == self.bias.dtype:
+            return router_kernel.route(
+                hidden, self.weight, self.top_k, router_kernel.LOGITS, logit_bias=self.bias, round_logits=True
+            )
         logits = F.linear(hidden, self.weight.to(hidden.dtype), self.bias.to(hidden.dtype))
         return topk_softmax(logits, self.top_k)

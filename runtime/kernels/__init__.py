@@ -113,12 +113,12 @@ class Kernels:
                 stream = self._streams[stream_ptr] = cupy.cuda.ExternalStream(stream_ptr, self.device_index)
         return stream
 
-    def launch(self, name: str, grid, block, args, stream_ptr: int) -> None:
+    def launch(self, name: str, grid, block, args, stream_ptr: int, shared_mem: int = 0) -> None:
         """Launch on the CUDA stream `stream_ptr` (torch's current one): no sync, no allocation."""
         import cupy
 
         with cupy.cuda.Device(self.device_index), self._stream(stream_ptr):
-            self.fn(name)(tuple(grid), tuple(block), tuple(args))
+            self.fn(name)(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
 
 
 def load(instances, device) -> Kernels:
@@ -147,7 +147,7 @@ def load(instances, device) -> Kernels:
         kernels = Kernels(module, index, props.multi_processor_count)
         for inst in instances:      # compile (or load) now, never during a CUDA-graph capture
             kernels.fn("moe_gemm_" + "_".join(map(str, inst)))
-        for helper in ("moe_align", "quant_fp8_rows", "gather_rows", "act_rows", "moe_combine"):
+        for helper in ("moe_align", "quant_fp8_rows", "gather_rows", "act_rows", "moe_combine", "moe_route_logits", "moe_route"):
             kernels.fn(helper)
     _MODULES[key] = kernels
     return kernels

@@ -388,6 +388,185 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(
 }
 
 // ------------------------------------------------------------------------------------------------
+// the router: logits, scores and top-k of one token per CTA, in one launch
+// ------------------------------------------------------------------------------------------------
+// Decode batches route a handful of tokens: torch spends a dozen small kernels on it (GEMV, sigmoid,
+// bias, group top-2, mask, top-k, gather, normalise, scale), which costs more than the GEMV's bytes.
+// One CTA per token reads the token, streams the router weight once and keeps everything else in
+// shared memory. Modes (the three rules of runtime/routing.py):
+//   ROUTE_SOFTMAX   softmax over all experts, top-k, optional renormalisation (Qwen3-MoE, Mixtral)
+//   ROUTE_SIGMOID   sigmoid; bias + group top-2 sums choose (topk_group of n_group groups kept, others
+//                   -inf), unbiased scores weigh, optional normalisation, times a scale (DeepSeek-V3)
+//   ROUTE_LOGITS    top-k on the (biased) logits, softmax over the k (gpt-oss)
+// round_logits rounds each logit to bf16 as torch's bf16 GEMM does; ties pick the lower expert index.
+#define ROUTE_SOFTMAX 0
+#define ROUTE_SIGMOID 1
+#define ROUTE_LOGITS 2
+#define ROUTE_THREADS 256
+#define ROUTE_MAX_K 32
+#define ROUTE_NEG_INF __int_as_float(0xff800000)   // NVRTC has no math headers: no INFINITY
+
+__device__ __forceinline__ void route_argmax(float& v, int& i) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, off);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, off);
+    if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+  }
+}
+
+// Logits: one warp per expert, 16-byte loads of the weight row, fp32 products and sums; many CTAs so
+// that the weight streams through every SM (one CTA per token would read it through one SM).
+extern "C" __global__ void __launch_bounds__(128) moe_route_logits(
+    const u16* __restrict__ x,            // [T, H] bf16
+    const void* __restrict__ w,           // [E, H] bf16 (w_fp32 = 0) or fp32
+    const float* __restrict__ logit_bias, // [E] or null (gpt-oss router bias, added before rounding)
+    float* __restrict__ logits,           // [T, E]
+    int H, int E, int w_fp32, int round_logits) {
+  const int lane = threadIdx.x & 31;
+  const int e = blockIdx.x * 4 + (threadIdx.x >> 5);
+  const int t = blockIdx.y;
+  if (e >= E) return;
+  const u16* xr = x + (size_t)t * H;
+  float acc = 0.f;
+  if (w_fp32) {
+    const float* row = reinterpret_cast<const float*>(w) + (size_t)e * H;
+    for (int h = lane; h < H; h += 32) acc += bf16_to_f32(xr[h]) * row[h];
+  } else {
+    const u16* row = reinterpret_cast<const u16*>(w) + (size_t)e * H;
+    if ((H & 7) == 0) {
+      for (int h = lane * 8; h < H; h += 256) {
+        const uint4 wv = *reinterpret_cast<const uint4*>(row + h);
+        const uint4 xv = *reinterpret_cast<const uint4*>(xr + h);
+        const u32 ws[4] = {wv.x, wv.y, wv.z, wv.w}, xs[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          acc += bf16_to_f32((u16)(xs[j] & 0xffffu)) * bf16_to_f32((u16)(ws[j] & 0xffffu)) +
+                 bf16_to_f32((u16)(xs[j] >> 16)) * bf16_to_f32((u16)(ws[j] >> 16));
+      }
+    } else {
+      for (int h = lane; h < H; h += 32) acc += bf16_to_f32(xr[h]) * bf16_to_f32(row[h]);
+    }
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (lane == 0) {
+    if (logit_bias) acc += logit_bias[e];
+    logits[(size_t)t * E + e] = round_logits ? bf16_to_f32(f32_to_bf16(acc)) : acc;
+  }
+}
+
+// Scores and top-k of one token per CTA, from the logits above.
+extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route(
+    const float* __restrict__ logits_in,  // [T, E]
+    const float* __restrict__ choice_bias,// [E] or null (sigmoid correction bias)
+    long long* __restrict__ ids,          // [T, k]
+    float* __restrict__ weights,          // [T, k]
+    int E, int k, int mode, int n_group, int topk_group, int renormalize, float scale) {
+  extern __shared__ float smem[];
+  float* logit = smem;         // [E]
+  float* choice = logit + E;   // [E]
+  __shared__ float red_v[ROUTE_THREADS / 32];
+  __shared__ int red_i[ROUTE_THREADS / 32];
+  __shared__ int picked[ROUTE_MAX_K];
+  __shared__ float stat[2];
+  const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int warps = ROUTE_THREADS / 32;
+  for (int e = tid; e < E; e += ROUTE_THREADS) logit[e] = logits_in[(size_t)t * E + e];
+  __syncthreads();
+
+  if (mode == ROUTE_SOFTMAX) {
+    // Block max and sum of exp: the probabilities, which both choose and weigh.
+    float m = ROUTE_NEG_INF;
+    for (int e = tid; e < E; e += ROUTE_THREADS) m = fmaxf(m, logit[e]);
+    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    if (lane == 0) red_v[warp] = m;
+    __syncthreads();
+    if (tid == 0) { float mm = red_v[0]; for (int i = 1; i < warps; ++i) mm = fmaxf(mm, red_v[i]); stat[0] = mm; }
+    __syncthreads();
+    float sum = 0.f;
+    for (int e = tid; e < E; e += ROUTE_THREADS) { const float p = __expf(logit[e] - stat[0]); choice[e] = p; sum += p; }
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    __syncthreads();
+    if (lane == 0) red_v[warp] = sum;
+    __syncthreads();
+    if (tid == 0) { float ss = 0.f; for (int i = 0; i < warps; ++i) ss += red_v[i]; stat[1] = ss; }
+    __syncthreads();
+    for (int e = tid; e < E; e += ROUTE_THREADS) { choice[e] /= stat[1]; logit[e] = choice[e]; }
+  } else if (mode == ROUTE_SIGMOID) {
+    for (int e = tid; e < E; e += ROUTE_THREADS) {
+      const float s = 1.f / (1.f + __expf(-logit[e]));
+      logit[e] = s;                                  // the weights
+      choice[e] = s + (choice_bias ? choice_bias[e] : 0.f);
+    }
+    __syncthreads();
+    if (topk_group < n_group && tid == 0) {
+      // Few groups (<= 64): thread 0 scores them by their best two and keeps the best topk_group.
+      const int per = E / n_group;
+      float gscore[64];
+      for (int g = 0; g < n_group; ++g) {
+        float b1 = ROUTE_NEG_INF, b2 = ROUTE_NEG_INF;
+        for (int e = g * per; e < (g + 1) * per; ++e) {
+          const float c = choice[e];
+          if (c > b1) { b2 = b1; b1 = c; } else if (c > b2) b2 = c;
+        }
+        gscore[g] = b1 + b2;
+      }
+      unsigned long long keep = 0ull;
+      for (int r = 0; r < topk_group; ++r) {
+        int best = -1;
+        for (int g = 0; g < n_group; ++g)
+          if (!((keep >> g) & 1ull) && (best < 0 || gscore[g] > gscore[best])) best = g;
+        keep |= 1ull << best;
+      }
+      for (int g = 0; g < n_group; ++g)
+        if (!((keep >> g) & 1ull))
+          for (int e = g * per; e < (g + 1) * per; ++e) choice[e] = ROUTE_NEG_INF;
+    }
+  } else {
+    for (int e = tid; e < E; e += ROUTE_THREADS) choice[e] = logit[e];
+  }
+  __syncthreads();
+
+  // Top-k: k block-wide arg-max rounds over `choice`, each taking its winner out.
+  for (int r = 0; r < k; ++r) {
+    float v = ROUTE_NEG_INF;
+    int i = 0x7fffffff;
+    for (int e = tid; e < E; e += ROUTE_THREADS) {
+      const float c = choice[e];
+      if (c > v || (c == v && e < i)) { v = c; i = e; }
+    }
+    route_argmax(v, i);
+    if (lane == 0) { red_v[warp] = v; red_i[warp] = i; }
+    __syncthreads();
+    if (warp == 0) {
+      v = lane < warps ? red_v[lane] : ROUTE_NEG_INF;
+      i = lane < warps ? red_i[lane] : 0x7fffffff;
+      route_argmax(v, i);
+      if (lane == 0) { picked[r] = i; choice[i] = ROUTE_NEG_INF; }
+    }
+    __syncthreads();
+  }
+
+  if (tid == 0) {
+    float wsum = 0.f, wmax = ROUTE_NEG_INF;
+    for (int r = 0; r < k; ++r) { const float v = logit[picked[r]]; wsum += v; wmax = fmaxf(wmax, v); }
+    float esum = 0.f;
+    if (mode == ROUTE_LOGITS)
+      for (int r = 0; r < k; ++r) esum += __expf(logit[picked[r]] - wmax);
+    for (int r = 0; r < k; ++r) {
+      const float v = logit[picked[r]];
+      float out;
+      if (mode == ROUTE_LOGITS) out = __expf(v - wmax) / esum;
+      else if (mode == ROUTE_SIGMOID) out = (renormalize ? v / (wsum + 1e-20f) : v) * scale;
+      else out = renormalize ? v / wsum : v;
+      ids[(size_t)t * k + r] = picked[r];
+      weights[(size_t)t * k + r] = out;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
 // the grouped GEMM
 // ------------------------------------------------------------------------------------------------
 template <int WF> struct WTraits;

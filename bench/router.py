@@ -1,0 +1,72 @@
+"""Router alone, torch's path vs the fused kernel, in CUDA-graph replays (device machine; not a test).
+
+    python3 bench/router.py [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from runtime.kernels import router as router_kernel  # noqa: E402
+from runtime.routing import SigmoidTopKRouter, SoftmaxTopKRouter  # noqa: E402
+
+SHAPES = {
+    "Q": lambda: SoftmaxTopKRouter(hidden_size=2048, num_experts=128, top_k=8, norm_topk_prob=True, dtype=torch.bfloat16),
+    "D": lambda: SigmoidTopKRouter(hidden_size=7168, num_experts=256, top_k=8, n_group=8, topk_group=4,
+                                   routed_scaling_factor=2.5, dtype=torch.bfloat16),
+}
+
+
+def graph_us(fn, replays: int = 200) -> float:
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(10):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / replays)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    args = parser.parse_args()
+    rows = []
+    for shape, make in SHAPES.items():
+        router = make().cuda()
+        with torch.no_grad():
+            for p in router.parameters():
+                p.normal_(0, 0.05)
+            for tokens in (1, 8, 64):
+                x = torch.randn(tokens, router.weight.shape[1], device="cuda", dtype=torch.bfloat16)
+                fused = graph_us(lambda: router(x))
+                saved = router_kernel.applies
+                router_kernel.applies = lambda *a, **k: False
+                try:
+                    plain = graph_us(lambda: router(x))
+                finally:
+                    router_kernel.applies = saved
+                rows.append({"shape": shape, "tokens": tokens, "torch_us": round(plain, 2), "kernel_us": round(fused, 2)})
+                print(rows[-1], flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "router.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""The router kernels: a few tokens' logits (`moe_route_logits`), then scores and top-k (`moe_route`).
+
+Used by the router modules of `runtime/routing.py` for bf16 tokens on a CUDA device, up to
+`MAX_TOKENS` tokens (decode batches, where a dozen small torch kernels cost more than the router's
+bytes: two launches instead); larger batches keep torch's path, whose GEMM reuses the weight across tokens. Same rules and
+numerics as the torch functions: fp32 products and sums, logits rounded to bf16 where torch's bf16 GEMM
+rounds them, ties to the lower expert index.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+SOFTMAX, SIGMOID, LOGITS = 0, 1, 2
+MAX_TOKENS = 64
+MAX_K, MAX_GROUPS = 32, 64
+# Dynamic shared memory of the top-k kernel: two per-expert rows, fp32, within the 48 KiB every GPU grants.
+MAX_SHARED_BYTES = 48 * 1024
+
+
+def _ptr(t: torch.Tensor | None) -> np.uint64:
+    return np.uint64(0 if t is None else t.data_ptr())
+
+
+def applies(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, n_group: int = 1) -> bool:
+    """Whether the kernel serves this call (else the caller runs the torch path)."""
+    if not (hidden.is_cuda and hidden.dtype == torch.bfloat16 and hidden.dim() == 2 and hidden.shape[0] <= MAX_TOKENS):
+        return False
+    if weight.dtype not in (torch.bfloat16, torch.float32) or top_k > MAX_K or n_group > MAX_GROUPS:
+        return False
+    if 8 * weight.shape[0] > MAX_SHARED_BYTES:
+        return False
+    return _kernels(hidden.device) is not None
+
+
+_LOADED: dict = {}
+
+
+def _kernels(device: torch.device):
+    """The kernel module for `device`, or None where cupy is missing (the torch path then serves)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _LOADED:
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            _LOADED[index] = None
+        else:
+            from runtime import kernels
+
+            _LOADED[index] = kernels.load((), torch.device("cuda", index))
+    return _LOADED[index]
+
+
+def route(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    top_k: int,
+    mode: int,
+    *,
+    logit_bias: torch.Tensor | None = None,
+    choice_bias: torch.Tensor | None = None,
+    round_logits: bool,
+    n_group: int = 1,
+    topk_group: int = 1,
+    renormalize: bool = True,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(ids int64 [T, k], weights fp32 [T, k])` for `hidden [T, H]` bf16 and `weight [E, H]`."""
+    tokens, hsize = hidden.shape
+    experts = weight.shape[0]
+    hidden = hidden.contiguous()
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=hidden.device)
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=hidden.device)
+    if tokens == 0:
+        return ids, weights
+    lb = None if logit_bias is None else logit_bias.float().contiguous()
+    cb = None if choice_bias is None else choice_bias.float().contiguous()
+    logits = torch.empty(tokens, experts, dtype=torch.float32, device=hidden.device)
+    i32, f32 = np.int32, np.float32
+    kern = _kernels(hidden.device)
+    stream = torch.cuda.current_stream(hidden.device).cuda_stream
+    kern.launch("moe_route_logits", ((experts + 3) // 4, tokens), (128,),
+                (_ptr(hidden), _ptr(weight.contiguous()), _ptr(lb), _ptr(logits), i32(hsize), i32(experts),
+                 i32(weight.dtype == torch.float32), i32(round_logits)), stream)
+    kern.launch("moe_route", (tokens,), (256,),
+                (_ptr(logits), _ptr(cb), _ptr(ids), _ptr(weights), i32(experts), i32(top_k), i32(mode),
+                 i32(n_group), i32(topk_group), i32(renormalize), f32(scale)), stream, shared_mem=8 * experts)
+    return ids, weights
