@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 
 from registry.declarations import Declaration, TargetDecl, matching_targets, resolve_target
-from registry.model_resolve import ANY, ModelResolution, resolve_model, span
+from registry.model_resolve import ANY, ROLE_NAMES, ModelResolution, resolve_model, span
 from registry.resolve import LayerReport
 from registry.selection import Selection
 
@@ -59,7 +59,7 @@ def _selection_text(selection: Selection) -> str:
 
 
 def _report_lines(report: LayerReport) -> list[str]:
-    kind = {"target": "routed", "excluded": "excluded", "draft": "draft"}[report.role]
+    kind = ROLE_NAMES[report.role]
     lines = [
         f"  {kind} layers {span(report.layers)}: checkpoint {report.checkpoint_format} ({report.format_source}), "
         f"runs {report.run_format} ({report.run_format_source})",

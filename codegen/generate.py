@@ -24,6 +24,7 @@ from registry.families import RUNTIME_FAMILIES
 from registry.impls import Registry, load_registry
 from registry.model_resolve import ModelResolution
 from registry.selection import Selection
+from registry.tactics import parse_tactic
 
 ROOT = Path(__file__).resolve().parent.parent
 DECLARED_ROOT = "generated"
@@ -141,7 +142,8 @@ def _flags(selection: Selection) -> str:
 
 
 def _compact(canonical: str) -> str:
-    return ".".join(t for t in canonical.split(".") if t != "*")
+    """The shortest spelling of a canonical tactic (`torch.*.grouped_gemm.*` -> `torch.grouped_gemm`)."""
+    return parse_tactic(canonical, load_registry()).compact
 
 
 def model_generation(

@@ -11,7 +11,7 @@ from codegen.plan import BuildPlan
 from codegen.render import py, render_python
 from registry.declarations import Declaration
 from registry.impls import Registry
-from registry.model_resolve import span
+from registry.model_resolve import ROLE_NAMES, span
 
 _OPS = ("LMHead", "MoEBlock", "RMSNorm", "RotaryEmbedding", "VocabEmbedding")
 _ATTENTION = {"deepseek_v3": ("MLAttention", "mla_softmax_scale")}  # every other family: GQAttention
@@ -108,7 +108,7 @@ def _architecture(family: str, c: dict, plan: BuildPlan) -> list[str]:
 def _summary(plan: BuildPlan) -> list[str]:
     lines = []
     for report in plan.resolution.get("layers", []):
-        kind = {"target": "routed", "excluded": "excluded", "draft": "draft"}[report["role"]]
+        kind = ROLE_NAMES[report["role"]]
         lines.append(
             f"MoE {kind} layers {span(tuple(report['layers']))} ({report['run_format']}): {report['winner']} "
             f"({report['family']}, {report['selected_by']})."

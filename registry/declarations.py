@@ -19,7 +19,7 @@ from registry.errors import DeclarationError, MoegenError
 from registry.families import FAMILIES, FamilySpec
 from registry.formats import CHECKPOINT_ALGOS, CheckpointQuant, expert_format
 from registry.impls import AUTO, Registry, load_registry
-from registry.model import DRAFT_KINDS, SPEC_MODES, DraftFacts, ModelFacts, MoeSite
+from registry.model import SPEC_MODES, DraftFacts, ModelFacts, MoeSite
 from registry.model_resolve import ANY, Honored
 from registry.parallel import NAME_RE, Layout, parse_layout
 from registry.selection import Selection, check_selection

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from registry.eligibility import Deployment, Problem
 from registry.errors import ResolutionError, SelectionError
 from registry.families import MoeShape
-from registry.formats import publishes, run_format
+from registry.formats import run_format
 from registry.identity import FIELDS
 from registry.impls import AUTO, MXFP4_RUN_FORMATS, Impl, Registry, load_registry
 from registry.model import NON_NEURAL_MODES, ModelFacts, MoeSite
@@ -30,6 +30,8 @@ from registry.selection import (
 from registry.tactics import matching_impls, shortest_query
 
 ANY = "*"
+# How messages and `explain` name a layer kind.
+ROLE_NAMES = {"target": "routed", "excluded": "excluded", "draft": "draft"}
 Honored = frozenset | str | None   # a list of ids, ANY, or None when the target declares nothing (TG2)
 
 
@@ -47,8 +49,7 @@ class Group:
         return "; ".join(self.sources)
 
     def describe(self) -> str:
-        kind = {"target": "routed", "excluded": "excluded", "draft": "draft"}[self.role]
-        return f"{kind} layers {span(self.layers)}"
+        return f"{ROLE_NAMES[self.role]} layers {span(self.layers)}"
 
 
 @dataclass(frozen=True)
@@ -69,9 +70,6 @@ class ModelResolution:
 
     def bound_ids(self, role: str | None = None) -> tuple[str, ...]:
         return tuple(sorted({r.winner for r in self.reports if role is None or (r.role == "draft") == (role == "draft")}))
-
-    def report_for(self, layer: int, draft: bool = False) -> LayerReport:
-        return next(r for r in self.reports if layer in r.layers and (r.role == "draft") == draft)
 
 
 def span(layers: tuple[int, ...]) -> str:
@@ -303,7 +301,6 @@ def _check_tactic_covers(group: Group, request: Request, formats, pinned, sm: in
     if not matches:
         serving = [i for i in registry.impls if i.format == fmt and _resolvable(i, sm, request.eplb)]
         listed = ", ".join(f"{i.id} ({shortest_query(i.id, registry)!r})" for i in serving) or "no registered implementation"
-        needed = sorted({formats[g][0] for g, _ in pinned} | {fmt})
         raise ResolutionError(
             f"{request.asked} names no implementation of {fmt} on sm_{sm}, the format of {where}; "
             f"{fmt} is served by {listed}; {_widened(request, pinned, formats, sm, registry)} (RULES FN4)"

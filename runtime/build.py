@@ -64,22 +64,37 @@ def log_implementations(implementations: dict) -> None:
         log.info("MoE layers run %s, MoE implementation id %s (moe_backend %s)", cls.__name__, impl_id, family)
 
 
+def checkpoint_tensors(model: nn.Module):
+    """(name, tensor) of every parameter and persistent buffer: what a checkpoint holds for `model`
+    (non-persistent buffers, such as rotary frequencies, are computed, never stored or drawn)."""
+    yield from model.named_parameters()
+    for name, buffer in model.named_buffers():
+        owner, _, local = name.rpartition(".")
+        if local not in model.get_submodule(owner)._non_persistent_buffers_set:
+            yield name, buffer
+
+
+def random_values(name: str, shape, gen: torch.Generator, std: float = 0.02) -> torch.Tensor:
+    """Seeded fp32 values for one tensor: normal(0, std), norm weights around 1 (never zeros)."""
+    values = torch.randn(tuple(shape), generator=gen, dtype=torch.float32) * std
+    if name.endswith("norm.weight") or "layernorm" in name:
+        values += 1.0
+    return values
+
+
 @torch.no_grad()
 def init_random(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Fresh random weights (never zeros) for runs without a checkpoint: every floating parameter and
-    persistent buffer normal(0, std), norm weights around 1, and each experts module its own
-    `init_random` (quantized layouts need valid codes and scales)."""
+    """Fresh random weights (never zeros) for runs without a checkpoint: every floating checkpoint
+    tensor from `random_values`, and each experts module its own `init_random` (quantized layouts need
+    valid codes and scales)."""
     gen = torch.Generator().manual_seed(seed)
     experts = {name for name, mod in model.named_modules() if hasattr(mod, "init_random") and mod is not model}
-    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+    for name, tensor in checkpoint_tensors(model):
         if any(name.startswith(prefix + ".") for prefix in experts) or not tensor.is_floating_point():
             continue
         if tensor.device.type == "meta":
             raise RuntimeError("init_random needs a build constructed on a real device, not meta")
-        values = torch.randn(tensor.shape, generator=gen, dtype=torch.float32) * std
-        if name.endswith("norm.weight") or "layernorm" in name:
-            values += 1.0
-        tensor.copy_(values.to(tensor.device, tensor.dtype))
+        tensor.copy_(random_values(name, tensor.shape, gen, std).to(tensor.device, tensor.dtype))
     for name, mod in model.named_modules():
         if name in experts:
             mod.init_random(gen)

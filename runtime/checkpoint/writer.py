@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from runtime.build import checkpoint_tensors, random_values
 from runtime.checkpoint.experts_sources import GATE_UP_DOWN, W1_W3_W2, PerExpertSource
 from runtime.checkpoint.loader import find_experts_modules
 from runtime.checkpoint.reader import CONFIG_FILE, SINGLE_FILE
@@ -92,11 +93,6 @@ def stored_expert_tensors(canonical: Mapping[tuple[int, str, str], torch.Tensor]
     raise ValueError(f"unknown experts layout {layout!r}")
 
 
-def _is_norm(name: str) -> bool:
-    # The rule of runtime.build.init_random: norm weights start around 1, everything else around 0.
-    return name.endswith("norm.weight") or "layernorm" in name
-
-
 def random_tensors(model: nn.Module, family: str, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
     """Every checkpoint tensor a one-rank build reads, random (never zeros for weights), on the CPU."""
     experts = find_experts_modules(model)
@@ -107,19 +103,14 @@ def random_tensors(model: nn.Module, family: str, seed: int = 0, std: float = 0.
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
-    entries = list(model.named_parameters()) + [
-        (n, b) for n, b in model.named_buffers() if _persistent(model, n)]
-    for name, tensor in entries:
+    for name, tensor in checkpoint_tensors(model):
         if id(tensor) in seen or any(name.startswith(p + ".") for p in experts):
             continue  # tied tensors are written once, under their first name (the loader needs one)
         seen.add(id(tensor))
         if getattr(tensor, "shard", None) is not None:
             raise ValueError(f"{name} is a tensor-parallel shard; write a checkpoint from a one-rank (tp1) build")
         if tensor.is_floating_point():
-            values = torch.randn(tuple(tensor.shape), generator=gen, dtype=torch.float32) * std
-            if _is_norm(name):
-                values += 1.0
-            out[name] = values.to(tensor.dtype)
+            out[name] = random_values(name, tensor.shape, gen, std).to(tensor.dtype)
         else:
             out[name] = torch.zeros(tuple(tensor.shape), dtype=tensor.dtype)
     for prefix in sorted(experts):
@@ -128,12 +119,6 @@ def random_tensors(model: nn.Module, family: str, seed: int = 0, std: float = 0.
         source = random_source(spec, fmt, range(spec.num_experts), gen, std=std)
         out.update(stored_expert_tensors(source.tensors, spec.num_experts, experts_layout(family, fmt), prefix))
     return out
-
-
-def _persistent(model: nn.Module, name: str) -> bool:
-    owner, _, local = name.rpartition(".")
-    module = model.get_submodule(owner) if owner else model
-    return local not in module._non_persistent_buffers_set
 
 
 def save_checkpoint(tensors: Mapping[str, torch.Tensor], path: str | Path, config: dict | None = None) -> Path:

@@ -14,7 +14,6 @@ import importlib
 
 import torch
 
-from generated._router_index import INDEX
 from runtime.checkpoint import CheckpointReader, find_experts_modules
 from runtime.parallel import Layout
 from tests.parallel import common
