@@ -68,7 +68,7 @@ def declared_plans(decls: dict[str, Declaration]) -> dict[str, tuple[BuildPlan, 
 
     A target must claim its own declared selection: a declared build bound to an implementation its
     target does not honor would be exactly the silent substitution the honored ids exist to prevent
-    (RULES TG4). (Fixed: such a build was generated, bound to the unhonored winner.)
+    (RULES TG4).
     """
     out = {}
     for decl in buildable(decls):

@@ -31,7 +31,7 @@ def py(value) -> str:
         return f"[{inner}]"
     if isinstance(value, float):
         # TOML has nan and inf, whose repr is a bare name in Python: spell them as expressions.
-        # (Fixed: `x = nan` rendered, parsed, and failed with NameError when the build was imported.)
+        # A bare `nan` would parse and then fail with NameError when the build is imported.
         if math.isnan(value):
             return "float('nan')"
         if math.isinf(value):

@@ -53,8 +53,8 @@ class Policies(_Strict):
     @field_validator("default_routed_format")
     @classmethod
     def _known_format(cls, value):
-        """A model policy names a format moegen knows. (Fixed: a typo such as "MXFP5" was accepted and
-        surfaced only at resolution, as a format no implementation serves.)"""
+        """A model policy names a format moegen knows: a typo such as "MXFP5" is caught at its line,
+        not at resolution as a format no implementation serves."""
         if value is not None and value.upper() not in CHECKPOINT_ALGOS:
             raise ValueError(f"unknown expert format {value!r}; known: {', '.join(CHECKPOINT_ALGOS)}")
         return value
@@ -103,7 +103,7 @@ class DraftDecl(_Strict):
         if self.family is not None and self.family not in FAMILIES:
             raise ValueError(f"unknown family {self.family!r}; families: {', '.join(FAMILIES)}")
         if self.experts_prefix is not None:
-            # (Fixed: an unknown placeholder raised KeyError from str.format when the model's facts were built.)
+            # An unknown placeholder would otherwise raise KeyError from str.format when facts are built.
             try:
                 self.experts_prefix.format(k=0, layer=0)
             except (KeyError, IndexError, ValueError):
@@ -151,8 +151,8 @@ class TargetDecl(_Strict):
     @field_validator("moe_impls_honored", "draft_moe_impls_honored", mode="before")
     @classmethod
     def _honored_shape(cls, value):
-        """One clear message for a value of the wrong shape. (Fixed: pydantic reported the union's
-        first member, e.g. `targets[0].moe_impls_honored.tuple[str, ...]: Input should be a valid tuple`.)"""
+        """One clear message for a value of the wrong shape (pydantic alone reports the union's first
+        member: `targets[0].moe_impls_honored.tuple[str, ...]: Input should be a valid tuple`)."""
         if value is None or value == ANY or (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
             return value
         raise ValueError(f'{value!r} is not a list of implementation ids, "*" (any) or left out (honors none) (RULES TG2)')
@@ -182,7 +182,7 @@ class Declaration(_Strict):
         return FAMILIES[self.model.family]
 
     def checkpoint(self, name: str) -> CheckpointDecl:
-        # (Fixed: an unknown name, e.g. from `explain --checkpoint`, escaped as StopIteration.)
+        # Names come from users too (`explain --checkpoint`): an unknown one is a declaration error.
         found = next((c for c in self.checkpoints if c.name == name), None)
         if found is None:
             declared = ", ".join(c.name for c in self.checkpoints)
@@ -236,13 +236,13 @@ class Declaration(_Strict):
 
     @model_validator(mode="after")
     def _cross_checks(self):
-        # Located at the table or entry they are about. (Fixed: both were reported at `:1: (file)`.)
+        # Each error is located at the table or entry it is about, not at the file's first line.
         missing = [k for k in self.family.required if k not in self.config]
         if missing:
             raise _FieldError(("config",), f"[config] lacks {', '.join(missing)}, which family {self.family.name} needs; add it")
         for n, draft in enumerate(self.drafts):
-            # A drafter with its own config is built from it: its family's keys must be there too.
-            # (Fixed: a missing key raised KeyError when the model's facts were built.)
+            # A drafter with its own config is built from it: its family's keys must be there too
+            # (else a missing key would raise KeyError when the model's facts are built).
             if draft.config is not None:
                 own = FAMILIES[draft.family or self.model.family]
                 lacking = [k for k in own.required if k not in draft.config]

@@ -68,8 +68,8 @@ def expert_format(
     quantizes = bool(quant.quant_algo or default_routed or quant.quantized_layers)
     # Exclusions are applied before per-layer entries (FN1): an excluded module is built unquantized
     # even when a per-layer pattern also names it, so the format reported is the one it is built in.
-    # (Fixed: per-layer entries used to be looked up first, reporting e.g. an excluded MTP layer of a
-    # MIXED_PRECISION checkpoint as quantized.) An unquantized checkpoint has nothing to exclude from.
+    # Exclusions come first: looking up per-layer entries first would report e.g. an excluded MTP layer
+    # of a MIXED_PRECISION checkpoint as quantized. An unquantized checkpoint has nothing to exclude from.
     if quantizes:
         for pattern in quant.exclude_modules:
             if any(fnmatch.fnmatchcase(n, pattern) for n in names):
@@ -96,8 +96,8 @@ def publishes(impl: Impl, candidates: tuple[Impl, ...], sm: int, registry: Regis
         return False
     if registry.family(impl.family).never_degrades:
         # "Nothing else" means nothing else that runs on this SM: a candidate that cannot run here
-        # publishes nothing, so it must not silence the reference either. (Fixed: AUTO on sm_80, where
-        # no TORCH implementation runs, refused every MXFP4 checkpoint under FN2.)
+        # publishes nothing, so it must not silence the reference either (else AUTO on sm_80, where no
+        # TORCH implementation runs, would refuse every MXFP4 checkpoint under FN2).
         return all(registry.family(c.family).never_degrades for c in candidates if c.runs_on(sm))
     return True
 

@@ -194,7 +194,7 @@ def _family(source: str, name: str, body: dict) -> Family:
 
 
 def _check_bool(where: str, key: str, value) -> None:
-    """A flag is a TOML boolean. (Fixed: flags went through bool(), so `cpu = "false"` read as True.)"""
+    """A flag is a TOML boolean: through bool(), `cpu = "false"` would read as True."""
     if not isinstance(value, bool):
         raise RegistryError(f"{where}: {key} must be true or false, not {value!r}")
 

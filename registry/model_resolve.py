@@ -128,9 +128,8 @@ def resolve_model(
         else:
             request = _draft_request(selection, draft.registers_into_target_balancer, registry, out)
             plans = [(g, request, None) for g in _groups(draft.sites, "draft")]
-            # DR6: only a draft in the target's load balancer runs under its EPLB plans. (Fixed: the
-            # target's deployment, EPLB included, was reused, so an external drafter's candidates were
-            # turned down EPLB_UNSUPPORTED although its request is not an EPLB one.)
+            # DR6: only a draft in the target's load balancer runs under its EPLB plans; an external
+            # drafter's candidates must not be turned down EPLB_UNSUPPORTED for the target's EPLB.
             draft_deployment = replace(deployment, eplb=request.eplb)
             draft_reports = _resolve_side(plans, draft.shape, draft_deployment, registry, draft_honored, "draft_moe_impls_honored", out)
             if draft.vanilla_with_target:
@@ -281,9 +280,8 @@ def _resolvable(impl: Impl, sm: int, eplb: bool) -> bool:
     """Whether a layer on sm_`sm` can ever resolve to `impl`: it runs there and, under per-layer
     dynamic EPLB, consumes the plans (RQ4).
 
-    (Fixed: FN3/FN4/TG3 used to count implementations that EPLB always turns down, so under EPLB a
-    tactic such as 'w4a16_mxfp4' was refused as spanning TORCH and VANILLA, and the message suggested
-    a VANILLA tactic that RQ4 refuses in turn.)
+    FN3/FN4/TG3 count only these: under EPLB, counting implementations EPLB always turns down would
+    refuse e.g. 'w4a16_mxfp4' as spanning TORCH and VANILLA and suggest a VANILLA tactic RQ4 refuses.
     """
     return impl.runs_on(sm) and (not eplb or impl.capabilities.dynamic_eplb)
 

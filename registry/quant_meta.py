@@ -44,8 +44,8 @@ def quant_from_quantization_config(qc: dict | None, source: str = "config.json")
         return CheckpointQuant("MXFP4", tuple(qc.get("modules_to_not_convert") or ()))
     if method == "modelopt":
         if not qc.get("quant_algo"):
-            # (Fixed: a missing quant_algo became the algorithm "NONE", which then failed at resolution
-            # as an unknown format instead of naming the field.)
+            # Refused here, naming the field: read on, the missing value would become an algorithm
+            # "NONE" that fails much later as an unknown format.
             raise DeclarationError(
                 f"{source}: quantization_config (quant_method modelopt) has no quant_algo; "
                 "re-export the checkpoint with a ModelOpt that writes it, or provide hf_quant_config.json"

@@ -206,9 +206,8 @@ def no_winner_message(
     """LR3 for a pin (names the field that set the tactic), and the same trail for a preference.
 
     With `fmt` and `registry`, a request that holds no candidate of the layer's format says which
-    registered implementations serve it. (Fixed: it used to say "no implementation of this format is
-    registered" also when one is registered but outside the request, e.g. TORCH or AUTO under
-    dynamic EPLB for an nvfp4 layer that only VANILLA serves.)
+    registered implementations serve it: one may be registered but outside the request (e.g. TORCH, or
+    AUTO under dynamic EPLB, for an nvfp4 layer that only VANILLA serves).
     """
     trail = "; ".join(r.describe() for r in outcome.rejections) or _not_in_request(request, fmt, registry)
     if request.pinned:

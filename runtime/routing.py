@@ -24,7 +24,7 @@ from runtime.kernels import router as router_kernel
 def _fused(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, n_group: int = 1) -> bool:
     """A bf16 decode batch on a CUDA device goes through the fused router kernel (runtime/kernels/router.py):
     one launch instead of a dozen; the same rule and numerics, shapes fixed per call (CUDA-graph safe)."""
-    return hidden.is_cuda and router_kernel.applies(hidden, weight, top_k, n_group)
+    return router_kernel.applies(hidden, weight, top_k, n_group)
 
 
 # transformers adds this to the normaliser of the sigmoid routers; the DeepSeek reference adds nothing.

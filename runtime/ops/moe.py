@@ -70,13 +70,14 @@ class MoEBlock(nn.Module):
         self.dp = layout.dp
         self.tp = layout.tp
 
-    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         route = self._parts[0]
         if self.e_score_correction_bias is None:
-            ids, weights = route(x)
-        else:
-            ids, weights = route(x, self.e_score_correction_bias)
-        return self.experts(x, ids, weights)
+            return route(x)
+        return route(x, self.e_score_correction_bias)
+
+    def _routed(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, *self._route(x))
 
     def _shared_out(self, x: torch.Tensor) -> torch.Tensor | None:
         _, shared, shared_gate = self._parts
@@ -119,14 +120,10 @@ class MoEBlock(nn.Module):
         return out.reshape(shape)
 
     def _routed_all_to_all(self, x: torch.Tensor) -> torch.Tensor:
-        route = self._parts[0]
-        if self.e_score_correction_bias is None:
-            ids, weights = route(x)
-        else:
-            ids, weights = route(x, self.e_score_correction_bias)
+        ids, weights = self._route(x)
         tokens, k = ids.shape
         # Experts are split over the world in contiguous blocks, as ExpertParallel assigns them.
-        per_rank = route.weight.shape[0] // self.world
+        per_rank = self._parts[0].weight.shape[0] // self.world
         dest = (ids // per_rank).reshape(-1)
         order = torch.argsort(dest, stable=True)
         send = torch.bincount(dest, minlength=self.world)
