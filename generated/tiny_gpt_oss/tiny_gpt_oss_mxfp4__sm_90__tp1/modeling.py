@@ -186,7 +186,7 @@ class TinyGptOssMxfp4Sm90Tp1ForCausalLM(nn.Module):
         return self.lm_head(self.hidden_states(input_ids, positions, caches))
 
     def load_checkpoint(self, path, progress=None):
-        """Read this rank's weights from an HF checkpoint folder (RULES: a failed load changes nothing)."""
+        """Read this rank's weights from an HF checkpoint folder (a failed load changes nothing)."""
         return load_checkpoint(self, path, ignore=IGNORED_TENSORS, progress=progress, device=self.device)
 
     def init_random(self, seed=0):
