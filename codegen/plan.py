@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 
 from registry.declarations import Declaration, TargetDecl, resolve_target
+from registry.model import NON_NEURAL_MODES
 from registry.model_resolve import ANY, ModelResolution
 from registry.resolve import moe_impl_request
 from registry.router import bound_layers, facts_to_literal
@@ -142,7 +143,7 @@ def _layer_table(decl: Declaration, resolution: ModelResolution) -> tuple[LayerP
 
 def _draft_plan(decl: Declaration, selection: Selection, resolution: ModelResolution) -> DraftPlan | None:
     mode = selection.spec_mode
-    if mode is None or mode in ("ngram", "prompt_lookup"):
+    if mode is None or mode in NON_NEURAL_MODES:
         return None
     draft = next(d for d in decl.drafts if mode in d.modes)
     layers = tuple(

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from registry.errors import NotHonoredError, SelectionError
 from registry.families import MoeShape
 from registry.formats import LayerFormat
-from registry.model import DraftFacts, ModelFacts, MoeSite
-from registry.model_resolve import ANY, ModelResolution, resolve_model
+from registry.model import NON_NEURAL_MODES, DraftFacts, ModelFacts, MoeSite
+from registry.model_resolve import ANY, ModelResolution, resolve_model, span
 from registry.selection import Selection
 
 MODES = ("auto", "require", "off")
@@ -93,11 +93,15 @@ def route(
         raise SelectionError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     model = index["models"][facts.model]
     tp, moe_tp, ep, dp = layout
-    generic = resolve_model(facts, selection, sm, moe_tp, ep)
+
+    def generic() -> ModelResolution:
+        # Resolved only when the generic build serves: a specialized route has resolved already.
+        return resolve_model(facts, selection, sm, moe_tp, ep)
+
     key = (facts.model, facts.checkpoint, sm, parallel)
     targets = [t for t in index["targets"] if (t["model"], t["checkpoint"], t["sm"], t["parallel"]) == key]
     if mode == "off":
-        return Route("generic", None, model["generic"], ("mode off: always the generic build",), generic)
+        return Route("generic", None, model["generic"], ("mode off: always the generic build",), generic())
     if not targets:
         declared = ", ".join(t["name"] for t in index["targets"] if t["model"] == facts.model) or "none"
         reason = f"no target of {facts.model} is declared for checkpoint {facts.checkpoint} on sm_{sm} with parallel {parallel} (declared: {declared})"
@@ -127,7 +131,7 @@ def _binding_mismatch(target: dict, claimed: ModelResolution, selection: Selecti
     reasons = []
     if built != now:
         reasons.append(f"{target['name']} is built with {_describe(built)}; this selection resolves to {_describe(now)}")
-    if selection.spec_mode is not None and selection.spec_mode not in ("ngram", "prompt_lookup"):
+    if selection.spec_mode is not None and selection.spec_mode not in NON_NEURAL_MODES:
         built_draft = {tuple(b[1]): b[2] for b in target["bound"] if b[0] == "draft"}
         now_draft = {layers: impl for role, layers, impl in bound_layers(claimed) if role == "draft"}
         if target["spec_mode"] != selection.spec_mode or built_draft != now_draft:
@@ -137,12 +141,10 @@ def _binding_mismatch(target: dict, claimed: ModelResolution, selection: Selecti
 
 
 def _describe(bound: dict) -> str:
-    from registry.model_resolve import span
-
     return "; ".join(f"{impl} for layers {span(layers)}" for layers, impl in sorted(bound.items())) or "nothing"
 
 
-def _generic_or_fail(mode: str, model: dict, reasons: tuple[str, ...], generic: ModelResolution) -> Route:
+def _generic_or_fail(mode: str, model: dict, reasons: tuple[str, ...], generic) -> Route:
     if mode == "require":
         raise NotHonoredError("mode require: no specialized build serves this deployment: " + "; ".join(reasons) + " (RULES TG5)")
-    return Route("generic", None, model["generic"], reasons, generic)
+    return Route("generic", None, model["generic"], reasons, generic())
