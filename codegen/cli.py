@@ -135,7 +135,13 @@ def cmd_import_checkpoint(args) -> int:
 
     text, summary = import_checkpoint(args.path, args.name, args.out)
     if args.out is None:
-        sys.stdout.write(text)
+        # TOML is UTF-8 whatever the locale: the bytes go out as such, so a redirect is a valid file.
+        sys.stdout.flush()
+        if hasattr(sys.stdout, "buffer"):
+            sys.stdout.buffer.write(text.encode("utf-8"))
+            sys.stdout.buffer.flush()
+        else:
+            sys.stdout.write(text)
     else:
         print(f"wrote {args.out}: {summary}")
     return 0
@@ -184,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Under an ASCII locale a path or name outside ASCII is still printed (escaped), never a crash.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

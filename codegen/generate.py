@@ -23,6 +23,7 @@ from registry.declarations import MODELS_DIR, Declaration, TargetDecl, find_mode
 from registry.errors import DeclarationError, NotHonoredError, SelectionError
 from registry.families import RUNTIME_FAMILIES
 from registry.impls import Registry, load_registry
+from registry.inputs import text_of_path
 from registry.model_resolve import ModelResolution
 from registry.selection import Selection
 from registry.tactics import parse_tactic
@@ -152,9 +153,10 @@ def models_flag(models: Path | None) -> str:
     control character in the name could end the comment, so such a name is refused)."""
     if models is None:
         return ""
-    if not str(models).isprintable():
-        raise DeclarationError(f"--models {str(models)!r}: a folder name with control characters cannot be written in a build's header; rename it")
-    return f" --models {shlex.quote(str(models))}"
+    text = text_of_path(models)
+    if not text.isprintable():
+        raise DeclarationError(f"--models {text!r}: a folder name with control characters cannot be written in a build's header; rename it")
+    return f" --models {shlex.quote(text)}"
 
 
 def _compact(canonical: str) -> str:

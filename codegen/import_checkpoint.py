@@ -24,7 +24,7 @@ from registry.errors import DeclarationError
 from registry.families import RUNTIME_FAMILIES, family_for_architecture
 from registry.formats import CHECKPOINT_ALGOS, CheckpointQuant
 from registry.impls import load_registry
-from registry.inputs import kind, parse_json, read_bytes, read_json
+from registry.inputs import kind, parse_json, read_bytes, read_json, text_of_path
 from registry.model_resolve import span
 from registry.quant_meta import read_checkpoint_quant, read_config
 
@@ -46,6 +46,11 @@ INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER = 100 * 1024 * 1024
 
 
+def _shown(key: str) -> str:
+    """A config key in a message: as is when plain, else quoted (a key may hold a newline)."""
+    return key if re.fullmatch(r"[A-Za-z0-9_.\[\]]+", key) else repr(key)
+
+
 def _check_name(name: str, where: str) -> str:
     if not re.fullmatch(TOKEN, name):
         raise DeclarationError(
@@ -58,10 +63,11 @@ def _check_name(name: str, where: str) -> str:
 def model_name(folder: Path, name: str | None, out: Path | None) -> str:
     """The model name, checked before anything is read or written: `--name`, else `--out`'s file name,
     else the folder's name; a declaration's model name equals its file name."""
+    if name is not None:
+        _check_name(name, "--name")
     if out is not None and out.suffix != ".toml":
         raise DeclarationError(f"--out {out}: a declaration file ends in .toml (generate --models reads only *.toml)")
     if name is not None:
-        _check_name(name, "--name")
         if out is not None and out.stem != name:
             raise DeclarationError(f"--out {out}: a declaration's file name is its model name; write it to {out.with_name(name + '.toml')}")
     elif out is not None:
@@ -137,7 +143,7 @@ def tensor_headers(folder: Path) -> dict[str, dict]:
             if not isinstance(file, str) or file not in by_file:
                 raise DeclarationError(f"{index}: weight_map puts {tensor!r} in {file!r}, which is not a .safetensors file of this folder")
             if tensor not in by_file[file]:
-                raise DeclarationError(f"{index}: weight_map puts {tensor!r} in {file}, whose header has no such tensor")
+                raise DeclarationError(f"{index}: weight_map puts {tensor!r} in {file!r}, whose header has no such tensor")
     return headers
 
 
@@ -150,7 +156,7 @@ def _toml(value, key: str):
         return table
     if isinstance(value, list):
         if any(v is None for v in value):
-            raise DeclarationError(f"config.json: {key} holds null, which a declaration cannot state (TOML has no null)")
+            raise DeclarationError(f"config.json: {_shown(key)} holds null, which a declaration cannot state (TOML has no null)")
         array = tomlkit.array()
         array.extend(_toml(v, f"{key}[{n}]") for n, v in enumerate(value))
         return array
@@ -181,13 +187,13 @@ def check_nulls(full: dict, body: dict, family: str) -> None:
     built = normalize(family, body)
     try:
         meant = normalize(family, full)
-    except (TypeError, ValueError, ZeroDivisionError):
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError):
         meant = {}   # a null the family's arithmetic cannot read: it means no value the build can inline
     changed = sorted(k for k in set(meant) | set(built) if meant.get(k) != built.get(k))
     if changed:
         raise DeclarationError(
-            f"config.json sets {', '.join(nulls)} to null; a declaration cannot state null (TOML has none) and "
-            f"leaving it out changes what the {family} build inlines ({', '.join(changed)}): this checkpoint is not supported"
+            f"config.json sets {', '.join(map(_shown, nulls))} to null; a declaration cannot state null (TOML has none) and "
+            f"leaving it out changes what the {family} build inlines ({', '.join(map(_shown, changed))}): this checkpoint is not supported"
         )
 
 
@@ -221,7 +227,7 @@ def render_declaration(folder: Path, name: str, config: dict, family, quant: Che
     doc.add(tomlkit.comment(f"Quant metadata: {'none (unquantized)' if source == 'none' else f'read from {source}'}; "
                             f"{len(headers)} tensors in the safetensors headers."))
     doc.add(tomlkit.nl())
-    doc.add("model", tomlkit.item({"name": name, "family": family.name, "doc": f"Imported from {folder.resolve().name}."}))
+    doc.add("model", tomlkit.item({"name": name, "family": family.name, "doc": f"Imported from {text_of_path(folder.resolve().name)}."}))
     doc.add(tomlkit.nl())
     table = tomlkit.table()
     for key, value in body.items():
@@ -287,8 +293,13 @@ def import_checkpoint(folder: Path, name: str | None, out: Path | None) -> tuple
     body = declaration_config_unchecked(config, family.name)
     if tomllib.loads(text)["config"] != body:
         raise DeclarationError(f"{folder / 'config.json'}: its config does not read back from TOML as written; report this")
-    check_nulls(published_config(config, family.name), body, family.name)
-    facts = decl.facts()
+    shown = f"the declaration of {folder / 'config.json'}"
+    try:
+        check_nulls(published_config(config, family.name), body, family.name)
+        facts = decl.facts()
+    except (TypeError, ValueError, KeyError, ZeroDivisionError, OverflowError) as exc:
+        # The loader types the keys it knows; a value of the wrong kind that slips past it is still one message.
+        raise DeclarationError(f"{shown}: [config]: a value is not of the kind the {family.name} family reads ({exc}); fix config.json") from None
     by_format: dict[tuple[str, str], list[int]] = {}
     known = set(CHECKPOINT_ALGOS.values()) | {"bf16"}
     for kind_, sites in [("layers", facts.sites)] + [("draft layers", d.sites) for d in facts.drafts]:

@@ -26,6 +26,12 @@ def kind(value) -> str:
     return _KINDS.get(type(value), type(value).__name__)
 
 
+def text_of_path(path) -> str:
+    """A path as UTF-8 text for a file moegen writes: bytes a locale could not decode (kept by Python as
+    surrogates, which no UTF-8 file can hold) read back as UTF-8, else as backslash escapes."""
+    return os.fsencode(str(path)).decode("utf-8", "backslashreplace")
+
+
 def read_bytes(path: Path, shown: str, error: type[MoegenError] = DeclarationError) -> bytes:
     """The bytes of a regular file; a missing file, a directory or a dangling link is one message."""
     try:
