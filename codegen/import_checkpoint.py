@@ -169,9 +169,14 @@ def published_config(config: dict, family: str) -> dict:
     return {renames.get(k, k): v for k, v in config.items() if renames.get(k, k) not in _SKIP_KEYS}
 
 
+def config_body(config: dict, family: str) -> dict:
+    """The [config] table as written: published names, sorted, nulls left out (see `check_nulls`)."""
+    return {k: v for k, v in sorted(published_config(config, family).items()) if v is not None}
+
+
 def declaration_config(config: dict, family: str) -> dict:
-    """The [config] table: the model's keys under their published names, nulls left out."""
-    body = declaration_config_unchecked(config, family)
+    """The [config] table, once its nulls are known to mean what leaving them out means."""
+    body = config_body(config, family)
     check_nulls(published_config(config, family), body, family)
     return body
 
@@ -220,8 +225,7 @@ def _suggested_target(decl: Declaration) -> list[str]:
     return lines
 
 
-def render_declaration(folder: Path, name: str, config: dict, family, quant: CheckpointQuant, source: str, headers: dict) -> str:
-    body = declaration_config_unchecked(config, family.name)
+def render_declaration(folder: Path, name: str, body: dict, family, quant: CheckpointQuant, source: str, headers: dict) -> str:
     doc = tomlkit.document()
     doc.add(tomlkit.comment(f"{name}: imported by `python -m codegen import-checkpoint` (model.doc names the folder)."))
     doc.add(tomlkit.comment(f"Quant metadata: {'none (unquantized)' if source == 'none' else f'read from {source}'}; "
@@ -253,10 +257,6 @@ def render_declaration(folder: Path, name: str, config: dict, family, quant: Che
     return tomlkit.dumps(doc)
 
 
-def declaration_config_unchecked(config: dict, family: str) -> dict:
-    return {k: v for k, v in sorted(published_config(config, family).items()) if v is not None}
-
-
 def _read_model_config(folder: Path) -> tuple[dict, object]:
     if not folder.is_dir():
         raise DeclarationError(f"{folder}: not a checkpoint folder (not a folder)")
@@ -284,13 +284,13 @@ def import_checkpoint(folder: Path, name: str | None, out: Path | None) -> tuple
     config, family = _read_model_config(folder)
     quant, source = read_checkpoint_quant(folder)
     headers = tensor_headers(folder)
-    text = render_declaration(folder, name, config, family, quant, source, headers)
+    body = config_body(config, family.name)
+    text = render_declaration(folder, name, body, family, quant, source, headers)
     with tempfile.TemporaryDirectory() as scratch:
         # Validated exactly as a declaration is, from a scratch file named as the model.
         path = Path(scratch) / f"{name}.toml"
         path.write_text(text, encoding="utf-8")
         decl = load_declaration(path, display=f"the declaration of {folder / 'config.json'}")
-    body = declaration_config_unchecked(config, family.name)
     if tomllib.loads(text)["config"] != body:
         raise DeclarationError(f"{folder / 'config.json'}: its config does not read back from TOML as written; report this")
     shown = f"the declaration of {folder / 'config.json'}"

@@ -24,7 +24,7 @@ def _field(table: dict, key: str, expected: type, source: str, where: str, defau
     value = table.get(key)
     if value is None:
         return default
-    if not isinstance(value, expected) or isinstance(value, bool) and expected is not bool:
+    if not isinstance(value, expected):
         wanted = {str: "a string", list: "an array", dict: "an object"}[expected]
         raise DeclarationError(f"{source}: {where}{key} is {kind(value)}, where {wanted} belongs")
     return value

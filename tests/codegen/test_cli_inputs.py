@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -111,3 +110,16 @@ def test_the_cli_works_under_an_ascii_locale_with_non_ascii_paths_and_messages(t
     assert (written.returncode, written.stderr) == (0, b""), written.stderr
     listed = run("list", "--models", out.parent)
     assert listed.returncode == 0 and b"m  (mixtral)  Imported from mod" in listed.stdout, listed.stderr
+
+
+def test_the_models_folder_is_named_in_headers_quoted_and_a_control_character_in_it_is_refused(capsys, tmp_path):
+    # RULES GN2: the Regenerate line regenerates the build, so it names the --models folder, shell-quoted.
+    folder = write_models(tmp_path / "my models", mymoe=MYMOE)
+    code, _, err = cli(capsys, "generate", "--models", folder, "--model", "mymoe", "--sm", "90", "--parallel", "tp1", "--out", tmp_path / "out")
+    assert (code, err) == (0, "")
+    header = (tmp_path / "out" / "mymoe" / "mymoe_bf16__sm_90__tp1" / "modeling.py").read_text().splitlines()[1]
+    assert header == f"# Regenerate: python -m codegen generate --model mymoe --sm 90 --parallel tp1 --models '{folder}'"
+    odd = write_models(tmp_path / "x\n# injected", mymoe=MYMOE)
+    assert one_message(capsys, "generate", "--models", odd, "--model", "mymoe", "--out", tmp_path / "out2") == (
+        f"--models {str(odd)!r}: a folder name with control characters cannot be written in a build's header; rename it")
+    assert not (tmp_path / "out2").exists()
