@@ -86,11 +86,9 @@ def quant_from_quantization_config(qc, source: str = "config.json") -> Checkpoin
                 f"{source}: quantization_config uses per-tensor FP8 (no weight_block_size); the expert formats "
                 "moegen knows are FP8 128x128 blocks, MXFP4 and NVFP4"
             )
-        if qc["weight_block_size"] != [128, 128]:
-            raise DeclarationError(
-                f"{source}: quantization_config.weight_block_size is {qc['weight_block_size']!r}; the FP8 blocks moegen "
-                "reads are [128, 128]"
-            )
+        block = qc["weight_block_size"]
+        if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block)):
+            raise DeclarationError(f"{source}: quantization_config.weight_block_size is {block!r}, where two block edges [rows, columns] belong")
         return CheckpointQuant("FP8_BLOCK_SCALES", _names(qc, "modules_to_not_convert", source, where))
     if method == "mxfp4":
         return CheckpointQuant("MXFP4", _names(qc, "modules_to_not_convert", source, where))

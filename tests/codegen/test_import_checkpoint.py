@@ -164,6 +164,8 @@ def _config_path(tmp_path):
     (b'{"architectures": ["MixtralForCausalLM"], "quantization_config": ["fp8"]}', "{path}: quantization_config is an array, where an object belongs"),
     (b'{"architectures": ["MixtralForCausalLM"], "quantization_config": {"quant_method": 8}}',
      "{path}: quantization_config.quant_method is a number, where a string belongs"),
+    (b'{"architectures": ["MixtralForCausalLM"], "quantization_config": {"quant_method": "fp8", "weight_block_size": "128"}}',
+     "{path}: quantization_config.weight_block_size is '128', where two block edges [rows, columns] belong"),
     (b'{"architectures": ["MixtralForCausalLM"], "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": "lm_head"}}',
      "{path}: quantization_config.modules_to_not_convert is a string, where an array belongs"),
     (b'{"architectures": ["MixtralForCausalLM"], "quantization_config": {"quant_method": "modelopt", "quant_algo": "INT4_AWQ"}}',
