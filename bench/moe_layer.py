@@ -531,7 +531,7 @@ def markdown(result):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     p.add_argument("--shapes", default="Q,D,G,tiny")
     p.add_argument("--formats", default="bf16,fp8_block_scales,w4a16_mxfp4,w4a16_nvfp4,w4a8_mxfp4_fp8")

@@ -222,7 +222,7 @@ def record(section: str) -> None:
 def main() -> None:
     from registry.errors import MoegenError
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--runs", type=int, default=11, help="fresh `check` processes to time (default 11)")
     parser.add_argument("--record", action="store_true", help="write the figures into BENCHMARKS.md")
     args = parser.parse_args()

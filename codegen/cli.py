@@ -85,13 +85,14 @@ def cmd_generate(args) -> int:
         if given:
             raise MoegenError(f"generate --all writes every declared build with its declared selection; drop {', '.join(given)} "
                               "(or use --model M to explore a selection)")
-        gen = all_generation(decls, registry, out)
+        gen = all_generation(decls, registry, out, args.models)
     else:
         if not args.model:
             raise MoegenError("generate needs --model M (or --all)")
         explicit = any(v is not None for v in (args.config, args.backend, args.tactic, args.spec_mode, args.draft_backend, args.draft_tactic)) or args.eplb
         selection = _selection(args) if explicit else None
-        gen = model_generation(decls, args.model, args.sm, args.parallel, selection, args.mode, out, registry, dry_run=args.dry_run)
+        gen = model_generation(decls, args.model, args.sm, args.parallel, selection, args.mode, out, registry, dry_run=args.dry_run,
+                               models=args.models)
     for line in gen.messages:
         print(line)
     for line in apply(gen, args.dry_run):
@@ -134,18 +135,24 @@ def cmd_import_checkpoint(args) -> int:
 
     text, summary = import_checkpoint(args.path, args.name, args.out)
     if args.out is None:
-        sys.stdout.write(text)
+        # TOML is UTF-8 whatever the locale: the bytes go out as such, so a redirect is a valid file.
+        sys.stdout.flush()
+        if hasattr(sys.stdout, "buffer"):
+            sys.stdout.buffer.write(text.encode("utf-8"))
+            sys.stdout.buffer.flush()
+        else:
+            sys.stdout.write(text)
     else:
         print(f"wrote {args.out}: {summary}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m codegen", description="moegen: specialized MoE model builds.")
+    parser = argparse.ArgumentParser(prog="python -m codegen", description="moegen: specialized MoE model builds.", allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name, func, help_text):
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         p.add_argument("--models", type=Path, help="a folder of your own declaration files, besides registry/models")
         p.set_defaults(func=func)
         return p
@@ -183,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Under an ASCII locale a path or name outside ASCII is still printed (escaped), never a crash.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

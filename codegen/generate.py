@@ -12,6 +12,7 @@ feed the builds, the router index and the exploration alike.
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from registry.declarations import MODELS_DIR, Declaration, TargetDecl, find_mode
 from registry.errors import DeclarationError, NotHonoredError, SelectionError
 from registry.families import RUNTIME_FAMILIES
 from registry.impls import Registry, load_registry
+from registry.inputs import text_of_path
 from registry.model_resolve import ModelResolution
 from registry.selection import Selection
 from registry.tactics import parse_tactic
@@ -103,21 +105,26 @@ def declared_generation(
     docs_root: str = DOCS_ROOT,
     plans: dict | None = None,
     only: str | None = None,
+    models: Path | None = None,
 ) -> Generation:
     """Everything `root` (the repo's generated/) and `docs_root` must hold (ARCHITECTURE, "A generated build").
 
-    `only` limits the builds written to one model; the index always covers every model.
+    `only` limits the builds written to one model; the index always covers every model. `models` is
+    the `--models` folder the non-project declarations came from, named in their headers (GN2).
     """
     plans = plans if plans is not None else declared_plans(decls)
+    project = project_models(decls)
     gen = Generation()
     for name, (generic, targets) in plans.items():
         if only is not None and name != only:
             continue
         decl = decls[name]
-        gen.add(root, model_outputs(decl, generic, registry))
+        extra = "" if name in project else models_flag(models)
+        gen.add(root, model_outputs(decl, generic, registry, extra))
         for planned in targets:
-            gen.add(root, build_outputs(decl, planned.plan, registry))
-    gen.add(root, index_outputs(list(plans), [p.plan for _, ts in plans.values() for p in ts]))
+            gen.add(root, build_outputs(decl, planned.plan, registry, extra))
+    command = ALL_COMMAND + ("" if set(plans) <= set(project) else models_flag(models))
+    gen.add(root, index_outputs(list(plans), [p.plan for _, ts in plans.values() for p in ts], command))
     gen.add(docs_root, docs_outputs(registry))
     return gen
 
@@ -141,6 +148,17 @@ def _flags(selection: Selection) -> str:
     return "".join(parts)
 
 
+def models_flag(models: Path | None) -> str:
+    """` --models DIR` as the user spelled DIR, for a header's Regenerate line (a Python comment: a
+    control character in the name could end the comment, so such a name is refused)."""
+    if models is None:
+        return ""
+    text = text_of_path(models)
+    if not text.isprintable():
+        raise DeclarationError(f"--models {text!r}: a folder name with control characters cannot be written in a build's header; rename it")
+    return f" --models {shlex.quote(text)}"
+
+
 def _compact(canonical: str) -> str:
     """The shortest spelling of a canonical tactic (`torch.*.grouped_gemm.*` -> `torch.grouped_gemm`)."""
     return parse_tactic(canonical, load_registry()).compact
@@ -156,6 +174,7 @@ def model_generation(
     out: str | None,
     registry: Registry,
     dry_run: bool = False,
+    models: Path | None = None,
 ) -> Generation:
     """The outputs of `generate --model M [--sm S] [--parallel P] [selection] [--mode] [--out]`.
 
@@ -193,7 +212,7 @@ def model_generation(
         lines = [f"{p.target.name}: refused: {'; '.join(p.resolution.refusals)}" for p in refusals]
         raise NotHonoredError("\n".join(lines) + "\n--mode require: nothing written (RULES TG5)")
     root = out or EXPLORE_ROOT
-    extra = _flags(selection) if selection else ""
+    extra = ("" if model in project else models_flag(models)) + (_flags(selection) if selection else "")
     would = "would be written" if dry_run else "written"
     if refusals:
         gen.add(root, model_outputs(decl, generic_plan(decl, selection), registry, extra))
@@ -220,11 +239,11 @@ def model_generation(
     return gen
 
 
-def all_generation(decls: dict[str, Declaration], registry: Registry, out: str | None) -> Generation:
+def all_generation(decls: dict[str, Declaration], registry: Registry, out: str | None, models: Path | None = None) -> Generation:
     """`generate --all`: the project's declarations into generated/ (pruning orphans), or with --out
     every loaded declaration into OUT, the catalog and schema included under their repo paths."""
     if out is not None:
-        return declared_generation(decls, registry, root=out, docs_root=out)
+        return declared_generation(decls, registry, root=out, docs_root=out, models=models)
     project = project_models(decls)
     gen = declared_generation(project, registry)
     gen.prune.add(DECLARED_ROOT)

@@ -8,7 +8,6 @@ implementation registry (TG2) run after the per-field checks.
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +18,7 @@ from registry.errors import DeclarationError, MoegenError
 from registry.families import FAMILIES, FamilySpec
 from registry.formats import CHECKPOINT_ALGOS, CheckpointQuant, expert_format
 from registry.impls import AUTO, Registry, load_registry
+from registry.inputs import read_toml
 from registry.model import SPEC_MODES, DraftFacts, ModelFacts, MoeSite
 from registry.model_resolve import ANY, Honored
 from registry.parallel import NAME_RE, Layout, parse_layout
@@ -289,11 +289,7 @@ def _fix_hint(error: dict) -> str:
 def load_declaration(path: Path, registry: Registry | None = None, display: str | None = None) -> Declaration:
     """Read, validate and cross-check one declaration file; errors name file:line and field."""
     shown = display or str(path)
-    text = path.read_text(encoding="utf-8")
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise DeclarationError(f"{shown}: not valid TOML: {exc}") from None
+    text, data = read_toml(path, shown, DeclarationError)
     try:
         decl = Declaration.model_validate(data)
     except ValidationError as exc:

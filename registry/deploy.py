@@ -7,8 +7,6 @@ The JSON schema of these models (`schemas/deploy-config.schema.json`) is generat
 
 from __future__ import annotations
 
-import json
-import tomllib
 from pathlib import Path
 from typing import Literal
 
@@ -16,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from registry.errors import MoegenError, SelectionError
 from registry.impls import AUTO
+from registry.inputs import read_json, read_toml
 from registry.model import SPEC_MODES
 from registry.selection import Selection, check_selection
 
@@ -115,14 +114,8 @@ def parse_deploy(data: dict, source: str = "deploy config") -> DeployConfig:
 
 def load_deploy(path: Path) -> DeployConfig:
     """A deployment selection from a `.toml` or `.json` file."""
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise SelectionError(f"--config {path}: cannot read it ({exc.strerror})") from None
-    try:
-        data = json.loads(raw) if path.suffix == ".json" else tomllib.loads(raw.decode("utf-8"))
-    except (ValueError, tomllib.TOMLDecodeError) as exc:
-        raise SelectionError(f"--config {path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {exc}") from None
+    shown = f"--config {path}"
+    data = read_json(path, shown, SelectionError) if path.suffix == ".json" else read_toml(path, shown, SelectionError)[1]
     return parse_deploy(data, str(path))
 
 

@@ -22,10 +22,19 @@ def device_sm(device: torch.device) -> int:
     return major * 10 + minor
 
 
-def check_placement(target: str, sm: int, device, implementations: dict, cpu_ids: tuple[str, ...]) -> None:
+def package_of(owner) -> str:
+    """The generated root a build was imported from (`generated`, or a `generate --out` package under
+    any name): its classes live at `<root>.<model>.<target or generic>.<file>`."""
+    parts = type(owner).__module__.split(".") if owner is not None else []
+    return ".".join(parts[:-3]) if len(parts) > 3 else "generated"
+
+
+def check_placement(target: str, sm: int, device, implementations: dict, cpu_ids: tuple[str, ...], owner=None) -> None:
     """A build runs on a GPU whose SM is its target's, or on the host CPU when every implementation
-    bound in it runs there; the meta device (construction without memory) is always allowed."""
+    bound in it runs there; the meta device (construction without memory) is always allowed. `owner`
+    is the module being built: the messages name the package its user loads it through."""
     dev = torch.device(device)
+    package = package_of(owner)
     if dev.type == "meta":
         return
     if dev.type == "cpu":
@@ -34,7 +43,7 @@ def check_placement(target: str, sm: int, device, implementations: dict, cpu_ids
             verb = "does" if len(gpu_only) == 1 else "do"
             raise PlacementError(
                 f"{target} is built for sm_{sm} and binds {', '.join(gpu_only)}, which {verb} not run on the host CPU; "
-                f"construct it on an sm_{sm} GPU, or load through generated.load_model with a selection whose "
+                f"construct it on an sm_{sm} GPU, or load through {package}.load_model with a selection whose "
                 "implementations run on the CPU (moe_config.backend TORCH or VANILLA)"
             )
         return
@@ -43,7 +52,7 @@ def check_placement(target: str, sm: int, device, implementations: dict, cpu_ids
         if here != sm:
             raise PlacementError(
                 f"{target} is built for sm_{sm}, but {dev} is sm_{here}; generate a target for sm_{here} "
-                "(python -m codegen generate --model <model> --sm <sm>) or load through generated.load_model"
+                f"(python -m codegen generate --model <model> --sm <sm>) or load through {package}.load_model"
             )
         return
     raise PlacementError(f"{target} runs on an sm_{sm} GPU or the host CPU, not on {dev}")

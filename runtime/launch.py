@@ -374,7 +374,7 @@ def summarize(target: RunTarget, result: dict, nproc: int, device: str, tokens: 
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Run a generated build's parallel layout on N local ranks "
+    p = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description="Run a generated build's parallel layout on N local ranks "
                                 "(gloo on CPU, NCCL on CUDA) and print rank 0's logits.")
     p.add_argument("--model", required=True)
     p.add_argument("--sm", type=int, required=True)

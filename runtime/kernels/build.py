@@ -45,7 +45,7 @@ def compile_cubin(sm: int, out_dir: Path, verbose: bool = False) -> Path:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--sm", type=int, action="append", default=None)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--verbose", action="store_true")

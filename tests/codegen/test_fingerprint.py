@@ -34,7 +34,7 @@ def test_equivalent_spellings_give_one_fingerprint_even_in_a_refused_plan(mymoe)
 
 
 def test_equivalent_spellings_write_byte_identical_trees(mymoe, capsys, tmp_path):
-    # RULES GN2: the header names the canonical selection, never the spelling or the --out folder
+    # RULES GN2: the header names the canonical selection and the --models folder, never the spelling or the --out folder
     folder, _ = mymoe
     trees = []
     for n, spelling in enumerate(SPELLINGS):
@@ -44,7 +44,7 @@ def test_equivalent_spellings_write_byte_identical_trees(mymoe, capsys, tmp_path
         trees.append(files(out))
     assert all(tree == trees[0] for tree in trees)
     header = trees[0]["mymoe/generic/modeling.py"].decode().splitlines()[1]
-    assert header == "# Regenerate: python -m codegen generate --model mymoe --tactic torch.eager"
+    assert header == f"# Regenerate: python -m codegen generate --model mymoe --models {folder} --tactic torch.eager"
 
 
 def test_a_different_selection_gives_a_different_fingerprint(mymoe):

@@ -59,7 +59,7 @@ class Draft(nn.Module):
 
     def __init__(self, device="cpu", rank=0, dtype=torch.bfloat16):
         super().__init__()
-        build.check_placement(TARGET + " draft", SM, device, IMPLEMENTATIONS, CPU_IMPLS)
+        build.check_placement(TARGET + " draft", SM, device, IMPLEMENTATIONS, CPU_IMPLS, owner=self)
         # The draft runs on its target's ranks and layout: the same world checks as modeling.py's.
         attach_layout(self, TARGET + " draft", PARALLEL, LAYOUT, rank)
         build.check_rank(TARGET + " draft", LAYOUT.world, rank)

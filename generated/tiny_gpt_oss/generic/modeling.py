@@ -147,7 +147,7 @@ class TinyGptOssGenericForCausalLM(nn.Module):
             i: (build.load_class(path), family) for i, (path, family) in built.implementations.items() if i in built.layers
         }
         self.layout, self.resolution = Layout(*built.layout), built.resolution
-        build.check_placement(TARGET, sm, device, implementations, built.cpu_impls)
+        build.check_placement(TARGET, sm, device, implementations, built.cpu_impls, owner=self)
         # Refuses a torch.distributed world that does not fit the layout before any collective runs.
         attach_layout(self, TARGET, parallel, self.layout, rank)
         build.check_rank(TARGET, self.layout.world, rank)

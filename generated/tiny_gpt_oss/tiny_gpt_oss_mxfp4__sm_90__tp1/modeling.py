@@ -152,7 +152,7 @@ class TinyGptOssMxfp4Sm90Tp1ForCausalLM(nn.Module):
     def __init__(self, device="cpu", rank=0, dtype=torch.bfloat16):
         super().__init__()
         self.layout = LAYOUT
-        build.check_placement(TARGET, SM, device, IMPLEMENTATIONS, CPU_IMPLS)
+        build.check_placement(TARGET, SM, device, IMPLEMENTATIONS, CPU_IMPLS, owner=self)
         # Refuses a torch.distributed world that does not fit the layout before any collective runs.
         attach_layout(self, TARGET, PARALLEL, LAYOUT, rank)
         build.check_rank(TARGET, LAYOUT.world, rank)
