@@ -17,12 +17,13 @@ from pathlib import Path
 
 from codegen.files import Output, changed, check_outputs, orphans, remove_orphans, verify_outputs, write_verified
 from codegen.outputs import ALL_COMMAND, build_outputs, docs_outputs, index_outputs, model_outputs
-from codegen.plan import BuildPlan, generic_plan, target_plan
+from codegen.plan import BuildPlan, generic_plan, index_entry, target_plan
 from registry.declarations import MODELS_DIR, Declaration, TargetDecl, find_model, matching_targets
 from registry.errors import DeclarationError, NotHonoredError, SelectionError
 from registry.families import RUNTIME_FAMILIES
 from registry.impls import Registry, load_registry
 from registry.model_resolve import ModelResolution
+from registry.router import Decision, decide
 from registry.selection import Selection
 from registry.tactics import parse_tactic
 
@@ -185,20 +186,23 @@ def model_generation(
         planned = by_name.get(target.name) if same else None
         if planned is None:
             planned = Planned(target, *target_plan(decl, target, selection or declared))
-        if not planned.resolution.claimed:
-            refusals.append(planned)
+        # The router's decision on the build this command writes (RULES TG6): what is refused here is
+        # what `load_model` would refuse.
+        decision = decide(index_entry(planned.plan), decl.facts(target.checkpoint), selection or declared, planned.plan.layout)
+        if not decision.serves:
+            refusals.append((planned, decision))
         elif not (same and into_repo):
             explored.append(planned.plan)   # a declared build is written with the declared generation below
     if refusals and mode == "require":
-        lines = [f"{p.target.name}: refused: {'; '.join(p.resolution.refusals)}" for p in refusals]
+        lines = [_refused(d) for _, d in refusals]
         raise NotHonoredError("\n".join(lines) + "\n--mode require: nothing written (RULES TG5)")
     root = out or EXPLORE_ROOT
     extra = _flags(selection) if selection else ""
     would = "would be written" if dry_run else "written"
     if refusals:
         gen.add(root, model_outputs(decl, generic_plan(decl, selection), registry, extra))
-        for p in refusals:
-            gen.messages.append(f"{p.target.name}: refused: {'; '.join(p.resolution.refusals)}")
+        for _, d in refusals:
+            gen.messages.append(_refused(d))
             gen.messages.append(f"  -> generic build: {root}/{decl.model.name}/generic (resolves each layer when it loads)")
         count = len(refusals)
         gen.messages.append(
@@ -218,6 +222,10 @@ def model_generation(
         for name, outputs in whole.roots.items():
             gen.add(name, outputs)
     return gen
+
+
+def _refused(decision: Decision) -> str:
+    return f"{decision.target}: refused: {'; '.join(c.text for c in decision.criteria if c.ok is False)}"
 
 
 def all_generation(decls: dict[str, Declaration], registry: Registry, out: str | None) -> Generation:
