@@ -205,7 +205,7 @@ def _resolve_side(plans, shape: MoeShape | None, deployment: Deployment, registr
     reports = []
     for group, request, warning in plans:
         fmt, fmt_note = formats[group]
-        problem = _problem(fmt, shape)
+        problem = layer_problem(fmt, shape)
         restrict = None if request.pinned else _restriction(honored)
         outcome = ask_candidates(request, problem, deployment, restrict)
         what = f"{group.describe()} (format {fmt} on sm_{deployment.sm})"
@@ -254,7 +254,7 @@ def _resolve_side(plans, shape: MoeShape | None, deployment: Deployment, registr
     return reports
 
 
-def _problem(fmt: str, shape: MoeShape | None) -> Problem:
+def layer_problem(fmt: str, shape: MoeShape | None) -> Problem:
     if shape is None:
         return Problem(format=fmt)
     return Problem(
@@ -335,7 +335,7 @@ def _accepted(tactic, request: Request, pinned, shape, deployment: Deployment, r
         for group, _ in pinned:
             fmt = run_format(group.checkpoint_format, wider.candidates, sm, registry, wider.asked)[0]
             families |= {i.family for i in _runnable(wider, fmt, sm)} or {None}
-            if ask_candidates(wider, _problem(fmt, shape), deployment).winner is None:
+            if ask_candidates(wider, layer_problem(fmt, shape), deployment).winner is None:
                 return None
     except MoegenError:
         return None

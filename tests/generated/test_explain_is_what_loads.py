@@ -89,3 +89,21 @@ def test_explain_names_the_build_load_model_loads(capsys, caplog, model, sm, par
         assert set(importlib.import_module(f"{package}.draft").DRAFT_LAYERS) == draft != set()
     else:
         assert draft == set()
+
+
+def test_what_generate_require_accepts_is_what_the_written_package_loads(capsys, tmp_path, monkeypatch):
+    # RULES TG6: `generate --mode require` decides like the router, on the build it writes; the package
+    # it writes then loads that build, draft included, for the same selection.
+    out = tmp_path / "explored"
+    flags = ["--spec-mode", "mtp", "--draft-backend", "VANILLA"]
+    code = main(["generate", "--model", "tiny_deepseek_v3", "--sm", "90", "--parallel", "tp1", *flags, "--mode", "require", "--out", str(out)])
+    written, err = capsys.readouterr()
+    assert (code, err) == (0, "")
+    assert "tiny_deepseek_v3_bf16__sm_90__tp1: written to " in written
+    monkeypatch.syspath_prepend(str(tmp_path))
+    package = importlib.import_module("explored")
+    built = package.load_model("tiny_deepseek_v3", 90, checkpoint_name="tiny_deepseek_v3_bf16", device="meta",
+                               speculative_config={"mode": "mtp", "moe_backend": "VANILLA"}, mode="require")
+    assert type(built).__module__ == "explored.tiny_deepseek_v3.tiny_deepseek_v3_bf16__sm_90__tp1.modeling"
+    draft = importlib.import_module("explored.tiny_deepseek_v3.tiny_deepseek_v3_bf16__sm_90__tp1.draft")
+    assert draft.DRAFT_LAYERS == ((3, "torch.eager.loop.bf16"),)
