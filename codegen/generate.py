@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from codegen.files import Output, changed, check_outputs, orphans, remove_orphans, verify_outputs, write_verified
+from codegen.files import Output, changed, check_outputs, orphans, remove_orphans, remove_stale_temps, verify_outputs, write_verified
 from codegen.outputs import ALL_COMMAND, build_outputs, docs_outputs, index_outputs, model_outputs
 from codegen.plan import BuildPlan, generic_plan, index_entry, target_plan
 from registry.declarations import MODELS_DIR, Declaration, TargetDecl, find_model, matching_targets
@@ -263,6 +263,8 @@ def apply(gen: Generation, dry_run: bool, base: Path | None = None) -> list[str]
             if root in gen.prune:
                 lines += [f"would remove {prefix}{rel}" for rel in orphans(outputs, folders[root])]
             continue
+        for temp in remove_stale_temps(folders[root]):
+            lines.append(f"removed {prefix}{temp.relative_to(folders[root]).as_posix()} (left by a write that was killed)")
         lines += [f"wrote {prefix}{path}" for path in write_verified(pending[root], folders[root])]
         if root in gen.prune:
             removed, kept = remove_orphans(outputs, folders[root])
@@ -284,13 +286,14 @@ def check(decls: dict[str, Declaration], registry: Registry | None = None, base:
     registry = registry or load_registry()
     base = base if base is not None else ROOT
     gen = declared_generation(project_models(decls), registry)
-    found = {"missing": [], "stale": [], "orphaned": []}
+    found = {"missing": [], "stale": [], "linked": [], "orphaned": []}
     diffs = []
     for root, outputs in gen.roots.items():
         prefix = "" if root == DOCS_ROOT else f"{root}/"
         drift = check_outputs(outputs, base / root, scan_orphans=root != DOCS_ROOT, label=prefix)
         found["missing"] += [prefix + p for p in drift.missing]
         found["stale"] += [prefix + p for p in drift.stale]
+        found["linked"] += [prefix + p for p in drift.linked]
         found["orphaned"] += [prefix + p for p in drift.orphaned]
         diffs += drift.diffs
     if not any(found.values()):
@@ -300,6 +303,7 @@ def check(decls: dict[str, Declaration], registry: Registry | None = None, base:
     headings = {
         "missing": "missing (declared, not on disk)",
         "stale": "stale (on disk, differs from what the registry generates)",
+        "linked": "linked (reached through a symbolic link: a generated file is a regular file in the tree)",
         "orphaned": "orphaned (on disk, no declaration produces it)",
     }
     for kind, paths in found.items():
@@ -310,6 +314,6 @@ def check(decls: dict[str, Declaration], registry: Registry | None = None, base:
     counts = ", ".join(f"{len(v)} {k}" for k, v in found.items() if v)
     report.append(
         f"generated files differ from the registry ({counts}); fix: run `{ALL_COMMAND}` (it rewrites missing and "
-        "stale files and removes orphaned ones), then commit the result"
+        "stale files, replaces links with the files, and removes orphaned ones), then commit the result"
     )
     return 1, "\n".join(report) + "\n"
