@@ -21,7 +21,7 @@ from registry.formats import CHECKPOINT_ALGOS, CheckpointQuant, expert_format
 from registry.impls import AUTO, Registry, load_registry
 from registry.model import SPEC_MODES, DraftFacts, ModelFacts, MoeSite
 from registry.model_resolve import ANY, Honored, layer_problem
-from registry.parallel import NAME_RE, Layout, parse_layout
+from registry.parallel import NAME_RE, Layout, layout_grammar, parse_layout
 from registry.selection import Selection, check_selection
 from registry.toml_lines import line_of
 
@@ -251,6 +251,14 @@ class Declaration(_Strict):
                         ("drafts", n, "config"),
                         f"the drafter's config lacks {', '.join(lacking)}, which family {own.name} needs; add it",
                     )
+        for name, profile in self.parallel_profiles.items():
+            if layout_grammar(name):
+                raise _FieldError(
+                    ("parallel_profiles", name),
+                    f"profile {name!r} is named like a parallel layout (tp<N>, tp<N>_moetp<X>ep<Y>, dep<N>), which "
+                    f"means something of its own; this profile declares {profile.tp * profile.dp} ranks "
+                    f"(tp {profile.tp}, moe_tp {profile.moe_tp}, ep {profile.ep}, dp {profile.dp}): rename it (e.g. low_latency)",
+                )
         names = [c.name for c in self.checkpoints]
         for n, name in enumerate(names):
             if name in names[:n]:
