@@ -49,12 +49,11 @@ def cmd_explain(args) -> int:
     text = render_json(decl, args.sm, selection, explained) if args.json else render_text(decl, args.sm, selection, explained, args.mode)
     sys.stdout.write(text)
     declared = [e for e in explained if e.target is not None]
-    if args.mode == "require" and (not declared or not any(e.resolution.claimed for e in declared)):
-        # With several targets, each reason names its own: two refusing alike must not read as one repeated.
-        named = len(declared) > 1
-        reasons = "; ".join(f"{e.name}: {r}" if named else r for e in declared for r in e.resolution.refusals)
+    if args.mode == "require" and not any(e.serves for e in declared):
+        # The router's own reasons (RULES TG6); each already names its target, so several read apart.
+        reasons = "; ".join(r for e in declared for r in e.decision.reasons)
         reasons = reasons or f"no target of {args.model} is declared on sm_{args.sm}"
-        raise NotHonoredError(f"--mode require: no target claims this selection: {reasons} (RULES TG5)")
+        raise NotHonoredError(f"--mode require: no target serves this selection: {reasons} (RULES TG5, TG6)")
     return 0
 
 

@@ -1,7 +1,9 @@
-"""`explain`: for each matching target, every MoE layer kind's request, winner and why, as text or JSON.
+"""`explain`: for each matching target, whether its build serves the selection and every MoE layer
+kind's request, winner and why, as text or JSON.
 
-It replays the same resolution the generator and the generic build run, on any host: the SM is an
-argument, nothing probes the machine (RULES TG6, LR5).
+It replays the router's own decision (`registry.router.decide`, on the index entry the generator
+writes for the target) and the resolution the generic build runs, on any host: the SM is an
+argument, nothing probes the machine (RULES TG6, LR5). What it says serves is what `load_model` loads.
 """
 
 from __future__ import annotations
@@ -9,9 +11,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from registry.declarations import Declaration, TargetDecl, matching_targets, resolve_target
+from codegen.plan import index_entry, target_plan
+from registry.declarations import Declaration, TargetDecl, matching_targets
+from registry.model import NON_NEURAL_MODES
 from registry.model_resolve import ANY, ROLE_NAMES, ModelResolution, resolve_model, span
 from registry.resolve import LayerReport
+from registry.router import Decision, bound_layers, decide
 from registry.selection import Selection
 
 
@@ -19,22 +24,53 @@ from registry.selection import Selection
 class Explained:
     """One explained site: a declared target, or the generic build where no target matches."""
 
+    model: str
     name: str
     target: TargetDecl | None
     parallel: str
-    resolution: ModelResolution
+    resolution: ModelResolution   # the target's claim (its honored ids), or the generic build's
+    decision: Decision | None     # the router's decision for the target; None without one
+    generic: ModelResolution | None = None   # what the generic build binds when the target does not serve
+
+    @property
+    def serves(self) -> bool:
+        return self.decision is None or self.decision.serves
+
+    @property
+    def loads(self) -> str:
+        """What `load_model` loads here under mode auto."""
+        return self.name if self.target is not None and self.serves else f"{self.model}/generic"
+
+    @property
+    def loaded(self) -> ModelResolution:
+        return self.resolution if self.generic is None else self.generic
+
+    @property
+    def loaded_bound(self) -> tuple:
+        """(role, layers, id) that the loaded build binds: a generic build holds no draft (RULES SD3)."""
+        generic = self.target is None or not self.serves
+        return tuple(b for b in bound_layers(self.loaded) if not (generic and b[0] == "draft"))
 
 
 def explain(decl: Declaration, sm: int, selection: Selection, parallel: str | None = None, checkpoint: str | None = None) -> list[Explained]:
     targets = matching_targets(decl, sm, parallel, checkpoint)
     if targets:
-        return [Explained(t.name, t, t.parallel, resolve_target(decl, t, selection)) for t in targets]
+        return [_target_site(decl, t, selection) for t in targets]
     layout = decl.layout(parallel) if parallel else None
     ckpt = checkpoint or decl.checkpoints[0].name
     resolution = resolve_model(
         decl.facts(ckpt), selection, sm=sm, moe_tp=layout.moe_tp if layout else 1, ep=layout.ep if layout else 1
     )
-    return [Explained(f"{decl.model.name}/generic", None, parallel or "tp1", resolution)]
+    return [Explained(decl.model.name, f"{decl.model.name}/generic", None, parallel or "tp1", resolution, None)]
+
+
+def _target_site(decl: Declaration, target: TargetDecl, selection: Selection) -> Explained:
+    """The router's decision on the index entry the generator writes for this target's declared build."""
+    layout = decl.layout(target.parallel)
+    facts = decl.facts(target.checkpoint)
+    decision = decide(index_entry(target_plan(decl, target)[0]), facts, selection, layout.as_tuple())
+    generic = None if decision.serves else resolve_model(facts, selection, target.sm, layout.moe_tp, layout.ep)
+    return Explained(decl.model.name, target.name, target, target.parallel, decision.resolution, decision, generic)
 
 
 def _honors(value, what: str) -> str:
@@ -91,21 +127,33 @@ def render_text(decl: Declaration, sm: int, selection: Selection, explained: lis
                            f"build it), so checkpoint {r.checkpoint} resolves as follows")
         else:
             t = site.target
-            verdict = "claims this selection" if r.claimed else "refuses this selection"
-            out.append(f"target {t.name} (honors {_honors(t.moe_impls_honored, 'target')}, {_honors(t.draft_moe_impls_honored, 'draft')}): {verdict}")
-            for refusal in r.refusals:
-                out.append(f"  refused: {refusal}")
-            if not r.claimed:
-                serve = "fails (mode require)" if mode == "require" else f"the generic build generated/{decl.model.name}/generic serves instead"
-                out.append(f"  -> {serve} (RULES TG5)")
-        for report in r.reports:
-            out += _report_lines(report)
+            verdict = "serves this selection" if site.serves else "does not serve this selection"
+            out.append(f"target {t.name} (honors {_honors(t.moe_impls_honored, 'target')}, {_honors(t.draft_moe_impls_honored, 'draft')}): {verdict} (RULES TG6)")
+            for c in site.decision.criteria:
+                out.append(f"  {c.name}: {'yes' if c.ok else 'no' if c.ok is False else '-'}: {c.text}")
+            if site.serves:
+                out.append(f"  -> load_model loads {t.name}")
+            elif mode == "require":
+                out.append("  -> fails (mode require) (RULES TG5)")
+            else:
+                out.append(f"  -> the generic build generated/{decl.model.name}/generic serves instead (RULES TG5); it binds:")
+        shown = r if mode == "require" else site.loaded
+        generic_loads = site.target is None or (not site.serves and mode != "require")
+        # A generic build holds no draft (RULES SD3): its draft layers are narrated only where the
+        # family is explain-only, as what the selection resolves to.
+        skip_draft = generic_loads and decl.family.runtime
+        for report in shown.reports:
+            if not (skip_draft and report.role == "draft"):
+                out += _report_lines(report)
         if dense:
             out.append(f"  dense layers {span(dense)}: no MoE")
         if not selection.spec_mode and decl.drafts:
             modes = sorted({m for d in decl.drafts for m in d.modes})
             out.append(f"  draft layers: not selected (no speculative_config.mode; this model's drafts serve {', '.join(modes)})")
-        out += [f"  note: {n}" for n in r.notes]
+        out += [f"  note: {n}" for n in shown.notes]
+        if skip_draft and selection.spec_mode and selection.spec_mode not in NON_NEURAL_MODES:
+            out.append("  note: the generic build holds no draft: it decodes without one (RULES SD3)")
+
     return "\n".join(out) + "\n"
 
 
@@ -123,6 +171,10 @@ def render_json(decl: Declaration, sm: int, selection: Selection, explained: lis
                 "checkpoint": s.resolution.checkpoint,
                 "claimed": s.resolution.claimed,
                 "refusals": list(s.resolution.refusals),
+                "serves": s.serves,
+                "criteria": [{"name": c.name, "ok": c.ok, "text": c.text} for c in s.decision.criteria] if s.decision else [],
+                "loads": s.loads,
+                "loaded": [{"role": role, "layers": list(layers), "impl": impl} for role, layers, impl in s.loaded_bound],
                 "notes": list(s.resolution.notes),
                 "warnings": list(s.resolution.warnings),
                 "layers": [r.to_dict() for r in s.resolution.reports],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,9 +61,25 @@ def _read(target: Path) -> bytes | None:
         raise GenerationError(f"cannot read {target}: {exc.strerror or exc}") from None
 
 
+def symlink_on_path(root: Path, rel: str) -> Path | None:
+    """The first of root/rel and the folders between root and it that is a symbolic link, else None.
+
+    A generated file is a regular file inside its root: one read through a link is another file (or a
+    folder outside the tree), whatever its bytes say.
+    """
+    path = root
+    for part in Path(rel).parts:
+        path = path / part
+        if path.is_symlink():
+            return path
+        if not path.exists():
+            return None
+    return None
+
+
 def changed(outputs: list[Output], root: Path) -> list[Output]:
-    """The outputs whose bytes differ from the file on disk (or that have none)."""
-    return [o for o in outputs if _read(root / o.path) != o.data]
+    """The outputs whose bytes differ from the file on disk (or that have none, or are reached through a link)."""
+    return [o for o in outputs if symlink_on_path(root, o.path) is not None or _read(root / o.path) != o.data]
 
 
 def write_outputs(outputs: list[Output], root: Path) -> list[str]:
@@ -72,6 +89,8 @@ def write_outputs(outputs: list[Output], root: Path) -> list[str]:
     """
     pending = changed(outputs, root)
     verify_outputs(pending)
+    for folder in sorted({(root / o.path).parent for o in outputs}):
+        remove_stale_temps(folder, recursive=False)
     return write_verified(pending, root)
 
 
@@ -80,6 +99,7 @@ def write_verified(pending: list[Output], root: Path) -> list[str]:
     for out in pending:
         target = root / out.path
         try:
+            _unlink_symlinks(root, out.path)
             target.parent.mkdir(parents=True, exist_ok=True)
             _atomic_write(target, out.data)
         except OSError as exc:
@@ -88,10 +108,22 @@ def write_verified(pending: list[Output], root: Path) -> list[str]:
     return written
 
 
+def _unlink_symlinks(root: Path, rel: str) -> None:
+    """Remove each link on the way to root/rel (the link only: what it points to is outside the tree
+    and never written through); the folders are then made as real ones."""
+    while (link := symlink_on_path(root, rel)) is not None:
+        link.unlink()
+
+
+# A temp file of `_atomic_write`: `.<name>.moegen-<pid>-<random>.tmp`. The pid says whose it is: one
+# whose process is gone was left by a killed write, and the next command that writes removes it.
+_TEMP = re.compile(r"^\..+\.moegen-(\d+)-[^/]*\.tmp$")
+
+
 def _atomic_write(target: Path, data: bytes) -> None:
     """Write beside the target and rename over it, so a failed write keeps the old file."""
     mode = target.stat().st_mode & 0o777 if target.exists() else 0o644
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.moegen-{os.getpid()}-", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
@@ -107,11 +139,12 @@ class Drift:
     missing: list[str] = field(default_factory=list)
     stale: list[str] = field(default_factory=list)
     orphaned: list[str] = field(default_factory=list)
+    linked: list[str] = field(default_factory=list)    # "path (link -> where it points)"
     diffs: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
-        return not (self.missing or self.stale or self.orphaned)
+        return not (self.missing or self.stale or self.orphaned or self.linked)
 
 
 def check_outputs(outputs: list[Output], root: Path, scan_orphans: bool = True, label: str = "") -> Drift:
@@ -124,6 +157,11 @@ def check_outputs(outputs: list[Output], root: Path, scan_orphans: bool = True, 
     drift = Drift()
     pending = []
     for out in outputs:
+        link = symlink_on_path(root, out.path)
+        if link is not None:
+            drift.linked.append(f"{out.path} ({label}{link.relative_to(root).as_posix()} -> {os.readlink(link)})")
+            pending.append(out)
+            continue
         committed = _read(root / out.path)
         if committed is None:
             drift.missing.append(out.path)
@@ -154,28 +192,73 @@ def _visible(line: str) -> str:
     return body + line[len(body):].replace("\r", "\\r").replace("\n", "\\n") + "\n"
 
 
+def _stale(name: str) -> bool:
+    found = _TEMP.match(name)
+    if found is None:
+        return False
+    pid = int(found.group(1))
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False   # alive, someone else's
+    return False
+
+
+def remove_stale_temps(folder: Path, recursive: bool = True) -> list[Path]:
+    """Delete the temp files that a killed write of moegen left in `folder` (and below it)."""
+    if not folder.is_dir() or folder.is_symlink():
+        return []
+    removed = []
+    for directory, dirs, names in os.walk(folder) if recursive else [(str(folder), [], [p.name for p in folder.iterdir()])]:
+        for name in names:
+            path = Path(directory) / name
+            if _stale(name) and path.is_file() and not path.is_symlink():
+                path.unlink()
+                removed.append(path)
+    return removed
+
+
+def _entries(root: Path) -> list[tuple[str, Path]]:
+    """Every file and symbolic link under `root`, without following links (bytecode caches aside)."""
+    found = []
+    for directory, dirs, names in os.walk(root):
+        base = Path(directory)
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(names) + [d for d in dirs if (base / d).is_symlink()]:
+            path = base / name
+            found.append((path.relative_to(root).as_posix(), path))
+    return sorted(found)
+
+
 def orphans(outputs: list[Output], root: Path) -> list[str]:
-    """Files under `root` that no output produces (bytecode caches aside)."""
+    """Files and links under `root` that no output produces (bytecode caches aside).
+
+    A link to a folder that holds outputs is no orphan: those outputs are reported as reached through it.
+    """
     if not root.is_dir():
         return []
     expected = {o.path for o in outputs}
-    found = []
-    for path in sorted(root.rglob("*")):
-        rel = path.relative_to(root).as_posix()
-        if "__pycache__" in path.parts or rel in expected or not path.is_file():
-            continue
-        found.append(rel)
-    return found
+    prefixes = {p.rsplit("/", i)[0] for p in expected for i in range(1, p.count("/") + 1)}
+    return [rel for rel, path in _entries(root) if rel not in expected and not (path.is_symlink() and rel in prefixes)]
 
 
 def remove_orphans(outputs: list[Output], root: Path) -> tuple[list[str], list[str]]:
-    """Delete the orphans that carry the generated marker (so a hand-placed file is never lost).
+    """Delete the orphans that carry the generated marker (so a hand-placed file is never lost), and
+    every orphaned link (removing a link loses nothing; what it points to stays).
 
     Returns (removed, kept); folders left empty are removed too.
     """
     removed, kept = [], []
     for rel in orphans(outputs, root):
         path = root / rel
+        if path.is_symlink():
+            path.unlink()
+            removed.append(rel)
+            continue
         try:
             head = path.read_bytes()[:512]
         except OSError:

@@ -16,15 +16,16 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from codegen.files import Output, changed, check_outputs, orphans, remove_orphans, verify_outputs, write_verified
+from codegen.files import Output, changed, check_outputs, orphans, remove_orphans, remove_stale_temps, verify_outputs, write_verified
 from codegen.outputs import ALL_COMMAND, build_outputs, docs_outputs, index_outputs, model_outputs
-from codegen.plan import BuildPlan, generic_plan, target_plan
+from codegen.plan import BuildPlan, generic_plan, index_entry, target_plan
 from registry.declarations import MODELS_DIR, Declaration, TargetDecl, find_model, matching_targets
 from registry.errors import DeclarationError, NotHonoredError, SelectionError
 from registry.families import RUNTIME_FAMILIES
 from registry.impls import Registry, load_registry
 from registry.inputs import text_of_path
 from registry.model_resolve import ModelResolution
+from registry.router import Decision, decide
 from registry.selection import Selection
 from registry.tactics import parse_tactic
 
@@ -204,20 +205,23 @@ def model_generation(
         planned = by_name.get(target.name) if same else None
         if planned is None:
             planned = Planned(target, *target_plan(decl, target, selection or declared))
-        if not planned.resolution.claimed:
-            refusals.append(planned)
+        # The router's decision on the build this command writes (RULES TG6): what is refused here is
+        # what `load_model` would refuse.
+        decision = decide(index_entry(planned.plan), decl.facts(target.checkpoint), selection or declared, planned.plan.layout)
+        if not decision.serves:
+            refusals.append((planned, decision))
         elif not (same and into_repo):
             explored.append(planned.plan)   # a declared build is written with the declared generation below
     if refusals and mode == "require":
-        lines = [f"{p.target.name}: refused: {'; '.join(p.resolution.refusals)}" for p in refusals]
+        lines = [_refused(d) for _, d in refusals]
         raise NotHonoredError("\n".join(lines) + "\n--mode require: nothing written (RULES TG5)")
     root = out or EXPLORE_ROOT
     extra = ("" if model in project else models_flag(models)) + (_flags(selection) if selection else "")
     would = "would be written" if dry_run else "written"
     if refusals:
         gen.add(root, model_outputs(decl, generic_plan(decl, selection), registry, extra))
-        for p in refusals:
-            gen.messages.append(f"{p.target.name}: refused: {'; '.join(p.resolution.refusals)}")
+        for _, d in refusals:
+            gen.messages.append(_refused(d))
             gen.messages.append(f"  -> generic build: {root}/{decl.model.name}/generic (resolves each layer when it loads)")
         count = len(refusals)
         gen.messages.append(
@@ -237,6 +241,10 @@ def model_generation(
         for name, outputs in whole.roots.items():
             gen.add(name, outputs)
     return gen
+
+
+def _refused(decision: Decision) -> str:
+    return f"{decision.target}: refused: {'; '.join(c.text for c in decision.criteria if c.ok is False)}"
 
 
 def all_generation(decls: dict[str, Declaration], registry: Registry, out: str | None, models: Path | None = None) -> Generation:
@@ -274,6 +282,8 @@ def apply(gen: Generation, dry_run: bool, base: Path | None = None) -> list[str]
             if root in gen.prune:
                 lines += [f"would remove {prefix}{rel}" for rel in orphans(outputs, folders[root])]
             continue
+        for temp in remove_stale_temps(folders[root]):
+            lines.append(f"removed {prefix}{temp.relative_to(folders[root]).as_posix()} (left by a write that was killed)")
         lines += [f"wrote {prefix}{path}" for path in write_verified(pending[root], folders[root])]
         if root in gen.prune:
             removed, kept = remove_orphans(outputs, folders[root])
@@ -295,13 +305,14 @@ def check(decls: dict[str, Declaration], registry: Registry | None = None, base:
     registry = registry or load_registry()
     base = base if base is not None else ROOT
     gen = declared_generation(project_models(decls), registry)
-    found = {"missing": [], "stale": [], "orphaned": []}
+    found = {"missing": [], "stale": [], "linked": [], "orphaned": []}
     diffs = []
     for root, outputs in gen.roots.items():
         prefix = "" if root == DOCS_ROOT else f"{root}/"
         drift = check_outputs(outputs, base / root, scan_orphans=root != DOCS_ROOT, label=prefix)
         found["missing"] += [prefix + p for p in drift.missing]
         found["stale"] += [prefix + p for p in drift.stale]
+        found["linked"] += [prefix + p for p in drift.linked]
         found["orphaned"] += [prefix + p for p in drift.orphaned]
         diffs += drift.diffs
     if not any(found.values()):
@@ -311,6 +322,7 @@ def check(decls: dict[str, Declaration], registry: Registry | None = None, base:
     headings = {
         "missing": "missing (declared, not on disk)",
         "stale": "stale (on disk, differs from what the registry generates)",
+        "linked": "linked (reached through a symbolic link: a generated file is a regular file in the tree)",
         "orphaned": "orphaned (on disk, no declaration produces it)",
     }
     for kind, paths in found.items():
@@ -321,6 +333,6 @@ def check(decls: dict[str, Declaration], registry: Registry | None = None, base:
     counts = ", ".join(f"{len(v)} {k}" for k, v in found.items() if v)
     report.append(
         f"generated files differ from the registry ({counts}); fix: run `{ALL_COMMAND}` (it rewrites missing and "
-        "stale files and removes orphaned ones), then commit the result"
+        "stale files, replaces links with the files, and removes orphaned ones), then commit the result"
     )
     return 1, "\n".join(report) + "\n"

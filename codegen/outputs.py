@@ -11,7 +11,7 @@ import json
 
 from codegen import catalog, schema
 from codegen.files import MARKER, Output
-from codegen.plan import BuildPlan
+from codegen.plan import BuildPlan, index_entry
 from codegen.render import render_python
 from codegen.verify import GENERIC_CLAIMS, claims_for_draft, claims_for_modeling
 from registry.declarations import Declaration
@@ -78,22 +78,7 @@ def index_outputs(models: list[str], plans: list[BuildPlan], command: str = ALL_
     """The root package: `load_model` and the router index of the builds in this root."""
     import hashlib
 
-    targets = [
-        {
-            "name": p.target,
-            "model": p.model,
-            "checkpoint": p.checkpoint,
-            "sm": p.sm,
-            "parallel": p.parallel,
-            "module": f".{p.model}.{p.target}.modeling",
-            "class_name": p.class_name,
-            "moe_impls_honored": p.moe_impls_honored,
-            "draft_moe_impls_honored": p.draft_moe_impls_honored,
-            "spec_mode": p.draft.mode if p.draft else None,
-            "bound": [[role, list(layers), impl] for role, layers, impl in p.bound],
-        }
-        for p in sorted(plans, key=lambda p: (p.model, p.target))
-    ]
+    targets = [index_entry(p) for p in sorted(plans, key=lambda p: (p.model, p.target))]
     entries = [{"name": m, "generic": f".{m}.generic.modeling", "facts": f".{m}.facts"} for m in sorted(models)]
     fingerprint = "sha256:" + hashlib.sha256(json.dumps([entries, targets], sort_keys=True).encode()).hexdigest()
     return [

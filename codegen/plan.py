@@ -179,6 +179,23 @@ def target_plan(decl: Declaration, target: TargetDecl, selection: Selection | No
     return plan, resolution
 
 
+def index_entry(plan: BuildPlan) -> dict:
+    """A build's entry in the router index: its key, module, honored ids and what it binds (RULES TG6)."""
+    return {
+        "name": plan.target,
+        "model": plan.model,
+        "checkpoint": plan.checkpoint,
+        "sm": plan.sm,
+        "parallel": plan.parallel,
+        "module": f".{plan.model}.{plan.target}.modeling",
+        "class_name": plan.class_name,
+        "moe_impls_honored": plan.moe_impls_honored,
+        "draft_moe_impls_honored": plan.draft_moe_impls_honored,
+        "spec_mode": plan.draft.mode if plan.draft else None,
+        "bound": [[role, list(layers), impl] for role, layers, impl in plan.bound],
+    }
+
+
 def generic_plan(decl: Declaration, selection: Selection | None = None) -> BuildPlan:
     """The model's generic build: it resolves each layer when it loads; `selection` is its default."""
     selection = canonical_spelling(check_selection(selection or Selection()))

@@ -4,9 +4,10 @@
 # load_model: the router over the builds in this package.
 """Generated model builds, and `load_model`, which picks the build that serves a deployment.
 
-The router reads `_router_index.INDEX`: a target's specialized build when it claims the selection and
-is bound to what the selection resolves to, else the model's generic build (mode `auto`), or an error
-naming the criterion that did not match (`require`); `off` always uses the generic build (RULES TG5, TG6).
+The router reads `_router_index.INDEX`: a target's specialized build when it claims the selection, is
+bound to what the selection resolves to and holds the draft its speculative mode needs (the decision
+`explain` narrates), else the model's generic build (mode `auto`), or an error naming the criterion
+that did not match (`require`); `off` always uses the generic build (RULES TG5, TG6).
 """
 
 import importlib
@@ -101,6 +102,7 @@ def load_model(
     """Build `model` for (checkpoint, sm, parallel) and load its weights (a checkpoint folder, or random).
 
     `dtype` is the build's activation and parameter dtype (default: the build's own, bfloat16).
+    `device="meta"` without a checkpoint builds the structure only, allocating nothing.
     Returns the model (a torch module). Raises a moegen error naming what did not match under `require`.
     """
     from registry.errors import SelectionError
@@ -129,6 +131,7 @@ def load_model(
         )
     if checkpoint is not None:
         built.load_checkpoint(checkpoint)
-    else:
+    elif str(device) != "meta":
+        # On meta the build is its structure only (which build serves, what it binds): no values to draw.
         built.init_random(seed)
     return built

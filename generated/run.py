@@ -10,6 +10,7 @@ checkpoint; rank 0 prints a summary of the logits. This module feeds the launche
 knows: the target's name and layout, the model's vocabulary, and which tensors a tiny random checkpoint
 holds. Under torchrun it runs as the rank torchrun made it, with the same arguments:
 `torchrun --nproc-per-node N -m generated.run --model M --sm S --parallel P --tiny`.
+Collectives wait at most `--timeout` seconds, else MOEGEN_DIST_TIMEOUT_S, else 300.
 """
 
 import importlib

@@ -13,15 +13,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from registry.eligibility import Deployment
+from registry.eligibility import Deployment, eligibility
 from registry.errors import DeclarationError, MoegenError
 from registry.families import FAMILIES, FamilySpec
 from registry.formats import CHECKPOINT_ALGOS, CheckpointQuant, expert_format
 from registry.impls import AUTO, Registry, load_registry
 from registry.inputs import read_toml
 from registry.model import SPEC_MODES, DraftFacts, ModelFacts, MoeSite
-from registry.model_resolve import ANY, Honored
-from registry.parallel import NAME_RE, Layout, parse_layout
+from registry.model_resolve import ANY, Honored, layer_problem
+from registry.parallel import NAME_RE, Layout, layout_grammar, parse_layout
 from registry.selection import Selection, check_selection
 from registry.toml_lines import line_of
 
@@ -251,6 +251,14 @@ class Declaration(_Strict):
                         ("drafts", n, "config"),
                         f"the drafter's config lacks {', '.join(lacking)}, which family {own.name} needs; add it",
                     )
+        for name, profile in self.parallel_profiles.items():
+            if layout_grammar(name):
+                raise _FieldError(
+                    ("parallel_profiles", name),
+                    f"profile {name!r} is named like a parallel layout (tp<N>, tp<N>_moetp<X>ep<Y>, dep<N>), which "
+                    f"means something of its own; this profile declares {profile.tp * profile.dp} ranks "
+                    f"(tp {profile.tp}, moe_tp {profile.moe_tp}, ep {profile.ep}, dp {profile.dp}): rename it (e.g. low_latency)",
+                )
         names = [c.name for c in self.checkpoints]
         for n, name in enumerate(names):
             if name in names[:n]:
@@ -312,14 +320,18 @@ def load_declaration(path: Path, registry: Registry | None = None, display: str 
 
 
 def _check_against_registry(decl: Declaration, text: str, shown: str, registry: Registry) -> None:
-    """TG2: each honored id exists and runs on the target's SM in one of its layers' formats; declared
-    selections pass the parse-time checks (TA2, TA4, RQ1, RQ4)."""
+    """TG2: each honored id exists and passes every eligibility gate for at least one of the target's
+    layers on its side; declared selections pass the parse-time checks (TA2, TA4, RQ1, RQ4)."""
     for n, target in enumerate(decl.targets):
         facts = decl.facts(target.checkpoint)
+        layout = decl.layout(target.parallel)
+        deployment = Deployment(sm=target.sm, moe_tp=layout.moe_tp, ep=layout.ep)
         for side, value in (("moe_impls_honored", target.moe_impls_honored), ("draft_moe_impls_honored", target.draft_moe_impls_honored)):
             if value is None or value == ANY:
                 continue
-            formats = _side_formats(facts, side == "draft_moe_impls_honored", target.sm, registry)
+            draft = side == "draft_moe_impls_honored"
+            layers = _side_layers(facts, draft, target.sm, registry)
+            formats = set().union(*(f for _, f, _ in layers))
             for k, impl_id in enumerate(value):
                 where = f"{shown}:{line_of(text, ('targets', n, side, k))}: targets[{n}].{side}"
                 impl = registry.by_id.get(impl_id)
@@ -328,7 +340,17 @@ def _check_against_registry(decl: Declaration, text: str, shown: str, registry: 
                 if not impl.runs_on(target.sm) or impl.format not in formats:
                     raise DeclarationError(
                         f"{where}: {impl_id} is not eligible on sm_{target.sm} for any of this target's "
-                        f"{'draft ' if side.startswith('draft') else ''}layer formats ({', '.join(sorted(formats)) or 'none'}); "
+                        f"{'draft ' if draft else ''}layer formats ({', '.join(sorted(formats)) or 'none'}); "
+                        "list an implementation that can serve them (RULES TG2)"
+                    )
+                rejections = [
+                    eligibility(impl, layer_problem(impl.format, shape), deployment)
+                    for _, fmts, shape in layers if impl.format in fmts
+                ]
+                if all(rejections):
+                    raise DeclarationError(
+                        f"{where}: {impl_id} is not eligible for any of this target's {'draft ' if draft else ''}layers "
+                        f"on sm_{target.sm} with parallel {target.parallel}: {rejections[0].describe()}; "
                         "list an implementation that can serve them (RULES TG2)"
                     )
         try:
@@ -337,16 +359,15 @@ def _check_against_registry(decl: Declaration, text: str, shown: str, registry: 
             raise DeclarationError(f"{shown}:{line_of(text, ('targets', n, 'selection'))}: targets[{n}].selection: {exc}") from None
 
 
-def _side_formats(facts: ModelFacts, draft: bool, sm: int, registry: Registry) -> set[str]:
-    """Every run format a side's layers can run as on this SM (an MXFP4 layer: any of the SM's)."""
-    sites = [s for d in facts.drafts for s in d.sites] if draft else list(facts.sites)
-    formats = set()
-    for site in sites:
-        if site.format.format == "mxfp4":
-            formats |= set(registry.mxfp4_preference(sm) or ())
-        else:
-            formats.add(site.format.format)
-    return formats
+def _side_layers(facts: ModelFacts, draft: bool, sm: int, registry: Registry) -> list[tuple[int, set[str], Any]]:
+    """(layer, run formats it can run as on this SM, experts shape) per MoE layer of a side (an MXFP4
+    layer: any of the SM's MXFP4 run formats)."""
+    sides = [(s, d.shape) for d in facts.drafts for s in d.sites] if draft else [(s, facts.shape) for s in facts.sites]
+    out = []
+    for site, shape in sides:
+        fmt = site.format.format
+        out.append((site.layer, set(registry.mxfp4_preference(sm) or ()) if fmt == "mxfp4" else {fmt}, shape))
+    return out
 
 
 def load_models(models_dir: Path | None = None, registry: Registry | None = None) -> dict[str, Declaration]:

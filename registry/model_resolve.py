@@ -12,11 +12,11 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from registry.eligibility import Deployment, Problem
-from registry.errors import ResolutionError, SelectionError
+from registry.errors import MoegenError, ResolutionError, SelectionError
 from registry.families import MoeShape
 from registry.formats import run_format
 from registry.identity import FIELDS
-from registry.impls import AUTO, MXFP4_RUN_FORMATS, Impl, Registry, load_registry
+from registry.impls import AUTO, Impl, Registry, load_registry
 from registry.model import NON_NEURAL_MODES, ModelFacts, MoeSite
 from registry.resolve import FALLBACK, LayerReport, Request, ask_candidates, moe_impl_request, no_winner_message
 from registry.selection import (
@@ -30,9 +30,12 @@ from registry.selection import (
 from registry.tactics import matching_impls, shortest_query
 
 ANY = "*"
+# The honored ids of no target: the generic build's resolution, which no honored set constrains or
+# refuses (a target nobody declared refuses nothing).
+NO_TARGET = "(no target)"
 # How messages and `explain` name a layer kind.
 ROLE_NAMES = {"target": "routed", "excluded": "excluded", "draft": "draft"}
-Honored = frozenset | str | None   # a list of ids, ANY, or None when the target declares nothing (TG2)
+Honored = frozenset | str | None   # a list of ids, ANY, NO_TARGET, or None when the target declares nothing (TG2)
 
 
 @dataclass(frozen=True)
@@ -86,10 +89,11 @@ def resolve_model(
     moe_tp: int = 1,
     ep: int = 1,
     registry: Registry | None = None,
-    honored: Honored = None,
-    draft_honored: Honored = None,
+    honored: Honored = NO_TARGET,
+    draft_honored: Honored = NO_TARGET,
 ) -> ModelResolution:
-    """Resolve every MoE layer kind of `facts` under `selection` on sm_`sm` with the given MoE split."""
+    """Resolve every MoE layer kind of `facts` under `selection` on sm_`sm` with the given MoE split:
+    for the generic build by default, for a target when its honored ids are given."""
     registry = registry or load_registry()
     selection = check_selection(selection, registry)
     deployment = Deployment(sm=sm, moe_tp=moe_tp, ep=ep, eplb=selection.eplb)
@@ -194,14 +198,14 @@ def _resolve_side(plans, shape: MoeShape | None, deployment: Deployment, registr
     formats = {g: run_format(g.checkpoint_format, req.candidates, deployment.sm, registry, req.asked) for g, req, _ in plans}
     pinned = [(g, req) for g, req, _ in plans if req.pinned]
     for group, request in pinned:
-        _check_tactic_covers(group, request, formats, pinned, deployment.sm, registry)
-    if pinned:
+        _check_tactic_covers(group, request, formats, pinned, shape, deployment, registry)
+    if pinned and honored != NO_TARGET:
         _check_tactic_honored(pinned, formats, deployment.sm, honored, honored_field, registry, out)
 
     reports = []
     for group, request, warning in plans:
         fmt, fmt_note = formats[group]
-        problem = _problem(fmt, shape)
+        problem = layer_problem(fmt, shape)
         restrict = None if request.pinned else _restriction(honored)
         outcome = ask_candidates(request, problem, deployment, restrict)
         what = f"{group.describe()} (format {fmt} on sm_{deployment.sm})"
@@ -250,7 +254,7 @@ def _resolve_side(plans, shape: MoeShape | None, deployment: Deployment, registr
     return reports
 
 
-def _problem(fmt: str, shape: MoeShape | None) -> Problem:
+def layer_problem(fmt: str, shape: MoeShape | None) -> Problem:
     if shape is None:
         return Problem(format=fmt)
     return Problem(
@@ -291,17 +295,22 @@ def _runnable(request: Request, fmt: str, sm: int) -> tuple[Impl, ...]:
     return tuple(i for i in request.candidates if i.format == fmt and _resolvable(i, sm, request.eplb))
 
 
-def _check_tactic_covers(group: Group, request: Request, formats, pinned, sm: int, registry: Registry) -> None:
+def _check_tactic_covers(group: Group, request: Request, formats, pinned, shape, deployment: Deployment, registry: Registry) -> None:
     """FN4 (the tactic names the layer's format) and FN3 (one family per format)."""
+    sm = deployment.sm
     fmt = formats[group][0]
     matches = _runnable(request, fmt, sm)
     where = f"{group.describe()} ({group.source})"
+    if not matches and any(i.format == fmt for i in request.candidates):
+        # The tactic names implementations of this format that cannot run here: resolution turns each
+        # down with its own reason (SM_UNSUPPORTED, EPLB_UNSUPPORTED), which says more than FN4 would.
+        return
     if not matches:
         serving = [i for i in registry.impls if i.format == fmt and _resolvable(i, sm, request.eplb)]
         listed = ", ".join(f"{i.id} ({shortest_query(i.id, registry)!r})" for i in serving) or "no registered implementation"
         raise ResolutionError(
             f"{request.asked} names no implementation of {fmt} on sm_{sm}, the format of {where}; "
-            f"{fmt} is served by {listed}; {_widened(request, pinned, formats, sm, registry)} (RULES FN4)"
+            f"{fmt} is served by {listed}; {_widened(request, pinned, formats, shape, deployment, registry)} (RULES FN4)"
         )
     families = sorted({i.family for i in matches})
     if len(families) > 1:
@@ -312,24 +321,28 @@ def _check_tactic_covers(group: Group, request: Request, formats, pinned, sm: in
         )
 
 
-def _covers(tactic, pinned, formats, sm: int, registry: Registry) -> str | None:
-    """The family within which a tactic names an implementation of every format the layers need."""
-    eplb = any(req.eplb for _, req in pinned)
-    matches = [i for i in matching_impls(tactic, registry) if _resolvable(i, sm, eplb)]
-    for family in sorted({i.family for i in matches}):
-        own = [i for i in matches if i.family == family]
-        if all(_serves(own, g.checkpoint_format, formats[g][0]) for g, _ in pinned):
-            return family
-    return None
+def _accepted(tactic, request: Request, pinned, shape, deployment: Deployment, registry: Registry) -> str | None:
+    """The family of a tactic that resolution accepts for every pinned layer kind, or None.
+
+    Accepted means what resolving it checks, for the run format each layer kind would have under
+    this tactic: its runnable implementations of that format are all of one family (FN3, FN4), one
+    family for every kind, and one of them passes every eligibility gate (LR1).
+    """
+    sm = deployment.sm
+    try:
+        wider = moe_impl_request(tactic, eplb=request.eplb, registry=registry, field=request.field)
+        families = set()
+        for group, _ in pinned:
+            fmt = run_format(group.checkpoint_format, wider.candidates, sm, registry, wider.asked)[0]
+            families |= {i.family for i in _runnable(wider, fmt, sm)} or {None}
+            if ask_candidates(wider, layer_problem(fmt, shape), deployment).winner is None:
+                return None
+    except MoegenError:
+        return None
+    return families.pop() if len(families) == 1 and None not in families else None
 
 
-def _serves(impls, checkpoint_format: str, fmt: str) -> bool:
-    if checkpoint_format == "mxfp4":
-        return any(i.format in MXFP4_RUN_FORMATS for i in impls)
-    return any(i.format == fmt for i in impls)
-
-
-def _widened(request: Request, pinned, formats, sm: int, registry: Registry) -> str:
+def _widened(request: Request, pinned, formats, shape, deployment: Deployment, registry: Registry) -> str:
     """FN4: the tactic widened by dropping the fewest segments so one family covers every format."""
     tactic = request.tactic
     tokens = list(tactic.pinned())
@@ -337,7 +350,7 @@ def _widened(request: Request, pinned, formats, sm: int, registry: Registry) -> 
     for drop in range(1, len(tokens)):
         for fields in itertools.combinations(tokens, drop):
             wider = tactic.with_fields(**{f: None for f in fields})
-            family = _covers(wider, pinned, formats, sm, registry)
+            family = _accepted(wider.text, request, pinned, shape, deployment, registry)
             if family:
                 return f"{wider.compact!r} covers {needed} within {family}"
     return f"no tactic of one family covers {needed}: select by backend ({TARGET_BACKEND if request.field == TARGET_TACTIC else DRAFT_BACKEND}) instead"

@@ -34,6 +34,12 @@ class Layout:
         return (self.tp, self.moe_tp, self.ep, self.dp)
 
 
+def layout_grammar(name: str) -> bool:
+    """Whether `name` is spelled as a layout (tp<N>, tp<N>_moetp<X>ep<Y>, dep<N>): no profile may be,
+    or one name would stand for two layouts depending on the model."""
+    return any(p.match(name) for p in (_TP, _TP_MOE, _DEP))
+
+
 def parse_layout(name: str, profiles: dict[str, Layout] | None = None) -> Layout:
     """The layout a parallel name stands for; `profiles` are the model's declared names (e.g. low_latency)."""
     if profiles and name in profiles:

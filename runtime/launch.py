@@ -62,15 +62,15 @@ def rank_device(device: str, local_rank: int) -> str:
     return f"cuda:{local_rank}" if torch.device(device).type == "cuda" else "cpu"
 
 
-def init_distributed(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[int, int]:
+def init_distributed(device: str = "cpu", timeout_s: float | None = None) -> tuple[int, int]:
     """Bring up torch.distributed from the environment torchrun (or `launch`) sets; returns (rank, world).
 
-    The timeout bounds the rendezvous and every collective of the world and of the groups
-    `runtime.parallel` creates later.
+    The timeout (None: MOEGEN_DIST_TIMEOUT_S, else the default) bounds the rendezvous and every
+    collective of the world and of the groups `runtime.parallel` creates later.
     """
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
-    parallel.set_timeout(timeout_s)
+    parallel.set_timeout(parallel.timeout_seconds(timeout_s))
     kwargs = {}
     if torch.device(device).type == "cuda":
         for key, value in GPU_ENV.items():
@@ -193,17 +193,20 @@ def _read_failure(out_dir: str, rank: int, exitcode: int | None, seen: float = m
     return RankFailure(rank, exitcode, when=seen)
 
 
-def launch(fn: Callable, nproc: int, args: tuple = (), *, device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S,
+def launch(fn: Callable, nproc: int, args: tuple = (), *, device: str = "cpu", timeout_s: float | None = None,
            job_timeout_s: float | None = None, preload: Sequence[str] = (), env: dict | None = None) -> list:
     """Run `fn(rank, world, device, *args)` on `nproc` local ranks; returns each rank's return value.
 
     `fn` must be importable by name (a module-level function) and its results picklable. CPU ranks use
-    gloo and share the host's cores; CUDA ranks use NCCL, one GPU each. `timeout_s` bounds rendezvous
-    and every collective; `job_timeout_s` (None: unbounded) bounds the whole job. On the first rank that
-    fails the others get a moment to report, are stopped, and LaunchError names the failing rank.
+    gloo and share the host's cores; CUDA ranks use NCCL, one GPU each. `timeout_s` (None:
+    MOEGEN_DIST_TIMEOUT_S, else the default) bounds rendezvous and every collective; `job_timeout_s`
+    (None: unbounded) bounds the whole job. On the first rank that fails the others get a moment to
+    report, are stopped, and LaunchError names the failing rank.
     """
     if nproc < 1:
         raise ValueError(f"nproc must be at least 1, got {nproc}")
+    # Resolved here, not in the ranks: a forkserver's children see its environment, not this one's.
+    timeout_s = parallel.timeout_seconds(timeout_s)
     cuda = torch.device(device).type == "cuda"
     if cuda and torch.cuda.device_count() < nproc:
         raise LaunchError(f"{nproc} CUDA ranks need {nproc} GPUs; this host has {torch.cuda.device_count()}")
@@ -393,8 +396,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--tactic", help="moe_config.tactic of the selection, e.g. grouped_mm")
     p.add_argument("--mode", choices=("auto", "require", "off"), default="auto",
                    help="auto: the specialized build when it serves the run, else the generic one; off: generic")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                   help="seconds a rank waits in rendezvous or a collective before it fails")
+    p.add_argument("--timeout", type=float,
+                   help="seconds a rank waits in rendezvous or a collective before it fails "
+                        f"(default: MOEGEN_DIST_TIMEOUT_S, else {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--logits-out", help="write rank 0's logits and the run's description here (torch.save)")
     p.add_argument("--tiny-dir", help="with --tiny: write the checkpoint here (kept) instead of a temporary folder")
     return p
@@ -420,6 +424,8 @@ def main(argv: Sequence[str] | None = None, *, load_model: Callable, describe: C
         return 2
 
     try:
+        # Resolved once, here: every rank gets the same bound, --timeout over the documented variable.
+        timeout_s = parallel.timeout_seconds(args.timeout)
         target = describe(args.model, args.sm, args.parallel, args.checkpoint, args.checkpoint_name)
     except (ValueError, LookupError, OSError) as e:
         return refuse(str(e))
@@ -456,7 +462,7 @@ def main(argv: Sequence[str] | None = None, *, load_model: Callable, describe: C
         job = ForwardJob(args.model, args.sm, args.parallel, str(checkpoint), target.checkpoint_name, tokens,
                          mode=args.mode, seed=args.seed, moe_config=selection or None)
         if torchrun:
-            rank, world = init_distributed(args.device, args.timeout)
+            rank, world = init_distributed(args.device, timeout_s)
             device = rank_device(args.device, int(os.environ.get("LOCAL_RANK", rank)))
             result = forward_jobs(rank, world, device, load_model, [job])
             dist.destroy_process_group()
@@ -465,7 +471,7 @@ def main(argv: Sequence[str] | None = None, *, load_model: Callable, describe: C
             result = result[0]
         else:
             try:
-                results = launch(forward_jobs, nproc, (load_model, [job]), device=args.device, timeout_s=args.timeout,
+                results = launch(forward_jobs, nproc, (load_model, [job]), device=args.device, timeout_s=timeout_s,
                                  preload=preload)
             except LaunchError as e:
                 print(f"{prog}: {target.name} failed on {parallel.ranks(nproc)}: {e}", file=sys.stderr)

@@ -19,6 +19,7 @@ side by side) without one build reducing over the other's groups.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass
 
@@ -103,10 +104,27 @@ def set_timeout(seconds: float) -> None:
     _timeout_s = float(seconds)
 
 
+def timeout_seconds(explicit: float | None = None) -> float:
+    """The bound a run uses: `explicit` (the launcher's --timeout), else MOEGEN_DIST_TIMEOUT_S, else
+    DEFAULT_TIMEOUT_S; a value that is not a positive number of seconds is refused, naming it."""
+    if explicit is not None:
+        where, value = "--timeout", explicit
+    else:
+        where, value = "MOEGEN_DIST_TIMEOUT_S", os.environ.get("MOEGEN_DIST_TIMEOUT_S")
+        if value is None:
+            return DEFAULT_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"{where} must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
 def timeout() -> datetime.timedelta:
     """The configured bound: `set_timeout`, else MOEGEN_DIST_TIMEOUT_S, else DEFAULT_TIMEOUT_S."""
-    seconds = _timeout_s if _timeout_s is not None else float(os.environ.get("MOEGEN_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S))
-    return datetime.timedelta(seconds=seconds)
+    return datetime.timedelta(seconds=_timeout_s if _timeout_s is not None else timeout_seconds())
 
 
 # -- the world and its groups --------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def test_mode_off_always_takes_the_generic_build(mymoe):
 def test_a_target_that_claims_but_is_bound_to_something_else_is_not_used(mymoe):
     # RULES TG5: tp2 honors any id, so it claims the tactic, but its build binds the grouped GEMM
     expected = (
-        f"{TP2} is built with {GROUPED_BF16} for layers 0-1; this selection resolves to {EAGER_BF16} for layers 0-1",
+        f"{TP2}: built with {GROUPED_BF16} for layers 0-1; this selection resolves to {EAGER_BF16} for layers 0-1",
     )
     for selection in ({"tactic": "eager"}, {"backend": "VANILLA"}):
         chosen = go(mymoe, parallel="tp2", **selection)

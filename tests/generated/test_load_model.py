@@ -62,7 +62,7 @@ def test_auto_loads_the_generic_build_when_the_target_claims_but_was_built_with_
     )
     assert _module(model) == "generated.tiny_deepseek_v3.generic.modeling"
     (warning,) = _warnings(caplog)
-    assert warning.startswith("tiny_deepseek_v3_bf16__sm_90__tp1 is built with its draft for speculative_config.mode 'mtp'")
+    assert warning.startswith("tiny_deepseek_v3_bf16__sm_90__tp1: built with its draft for speculative_config.mode 'mtp'")
     assert "this selection needs mode 'mtp' (torch.eager.loop.bf16 for layers 3)" in warning
 
 

@@ -38,6 +38,28 @@ def test_the_launcher_refuses_a_layout_name_that_does_not_add_up(capsys):
     assert "moetp2 x ep2 = 4 ranks, but tp3 has 3" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value, flags, where", [
+    ("abc", [], "MOEGEN_DIST_TIMEOUT_S must be a positive number of seconds, got 'abc'"),
+    ("-5", [], "MOEGEN_DIST_TIMEOUT_S must be a positive number of seconds, got '-5'"),
+    ("inf", [], "MOEGEN_DIST_TIMEOUT_S must be a positive number of seconds, got 'inf'"),
+    ("abc", ["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
+])
+def test_the_launcher_reads_the_timeout_variable_and_refuses_a_bad_bound(capsys, monkeypatch, value, flags, where):
+    # issue 10 §4: the documented variable is read by `python -m generated.run` (its --timeout does not mask it)
+    monkeypatch.setenv("MOEGEN_DIST_TIMEOUT_S", value)
+    code = run.main(["--model", "tiny_qwen3_moe", "--sm", "90", "--parallel", "tp2", "--tiny", *flags])
+    assert (code, capsys.readouterr().err) == (2, f"python -m generated.run: error: {where}\n")
+
+
+def test_an_explicit_timeout_wins_over_the_variable_which_wins_over_the_default(monkeypatch):
+    from runtime.parallel import DEFAULT_TIMEOUT_S, timeout_seconds
+
+    monkeypatch.delenv("MOEGEN_DIST_TIMEOUT_S", raising=False)
+    assert timeout_seconds() == DEFAULT_TIMEOUT_S
+    monkeypatch.setenv("MOEGEN_DIST_TIMEOUT_S", "7.5")
+    assert (timeout_seconds(), timeout_seconds(12)) == (7.5, 12.0)
+
+
 def test_the_launcher_refuses_a_batch_that_data_parallel_replicas_cannot_share(capsys):
     code = run.main(["--model", "tiny_qwen3_moe", "--sm", "90", "--parallel", "dep2", "--tiny", "--tokens", "1,2,3"])
     assert code == 2
@@ -118,6 +140,18 @@ def test_a_rank_that_hangs_makes_its_peers_time_out_within_the_bound():
     first, *rest = str(raised.value).splitlines()
     assert first.startswith("rank 0 of 2 failed: ") and "timed out" in first.lower()
     assert "the launcher stopped rank 1" in rest
+    assert time.monotonic() - start < 20
+
+
+@pytest.mark.slow
+def test_without_a_timeout_the_variable_bounds_the_collectives(monkeypatch):
+    # issue 10 §4: MOEGEN_DIST_TIMEOUT_S, not the 300 s default, bounds a launch that gives no timeout
+    monkeypatch.setenv("MOEGEN_DIST_TIMEOUT_S", "3")
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as raised:
+        launch(_rank1_hangs, 2, preload=run.PRELOAD)
+    first = str(raised.value).splitlines()[0]
+    assert first.startswith("rank 0 of 2 failed: ") and "timed out" in first.lower()
     assert time.monotonic() - start < 20
 
 

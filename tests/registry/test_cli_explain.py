@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,10 +37,30 @@ def test_explain_kimi_k3_on_sm_100_explains_every_layer_kind(capsys):
 
 
 def test_explain_shows_the_draft_layers_when_a_speculative_mode_is_set(capsys):
-    # RULES DR1, LR5
+    # RULES DR1, LR5: both targets' builds hold their MTP draft
+    code, out, _ = explain(capsys, "--model", "tiny_deepseek_v3", "--sm", "90", "--spec-mode", "mtp")
+    assert code == 0
+    assert out.count("  draft layers 3: checkpoint ") == 2
+    assert out.count("  draft: yes: holds the draft this selection needs: its draft for speculative_config.mode 'mtp'") == 2
+
+
+def test_a_target_whose_build_has_no_draft_does_not_serve_a_speculative_selection(capsys):
+    # RULES TG6, SD3: kimi_k3's targets honor any draft id, so they claim it, but were built without a draft
     code, out, _ = explain(capsys, "--model", "kimi_k3", "--sm", "100", "--spec-mode", "draft_target")
     assert code == 0
-    assert out.count("  draft layers 1: checkpoint bf16 (unquantized checkpoint), runs bf16 (checkpoint format)") == 2  # both targets
+    assert out.count("  claims: yes: claims this selection (RULES TG3, TG4)\n") == 2
+    assert out.count("  draft: no: built with no draft; this selection needs a draft for mode 'draft_target'\n") == 2
+    assert out.count("  -> the generic build generated/kimi_k3/generic serves instead (RULES TG5); it binds:\n") == 2
+    assert out.count("  note: the generic build holds no draft: it decodes without one (RULES SD3)\n") == 2
+    assert "  draft layers 1:" not in out   # the generic build does not build them
+    code, out, err = explain(capsys, "--model", "kimi_k3", "--sm", "100", "--spec-mode", "draft_target", "--mode", "require")
+    assert code == 2
+    assert out.count("  draft layers 1: checkpoint bf16 (unquantized checkpoint), runs bf16 (checkpoint format)") == 2  # the claims narrated
+    assert err == (
+        "error: --mode require: no target serves this selection: "
+        "kimi_k3_mxfp4__sm_100__tp16_moetp4ep4: built with no draft; this selection needs a draft for mode 'draft_target'; "
+        "kimi_k3_mxfp4__sm_100__tp16_moetp16ep1: built with no draft; this selection needs a draft for mode 'draft_target' (RULES TG5, TG6)\n"
+    )
 
 
 def test_explain_shows_excluded_and_draft_layers_with_their_notes(capsys):
@@ -81,11 +103,11 @@ def test_require_with_an_unhonored_tactic_exits_2_naming_tactic_target_and_ids(c
     # RULES TG5
     code, out, err = explain(capsys, "--model", "kimi_k3", "--sm", "100", "--parallel", "tp16_moetp4ep4", "--tactic", "eager", "--mode", "require")
     assert code == 2
-    assert "refuses this selection" in out and "-> fails (mode require) (RULES TG5)" in out
+    assert "does not serve this selection (RULES TG6)" in out and "-> fails (mode require) (RULES TG5)" in out
     assert err == (
-        "error: --mode require: no target claims this selection: moe_config.tactic 'eager' resolves to "
+        "error: --mode require: no target serves this selection: kimi_k3_mxfp4__sm_100__tp16_moetp4ep4: moe_config.tactic 'eager' resolves to "
         "torch.eager.loop.w4a8_mxfp4_mxfp8 for the routed layers 1-92 (format w4a8_mxfp4_mxfp8 on sm_100); this target "
-        "honors only torch.grouped_mm.grouped_gemm.w4a16_mxfp4 (RULES TG3) (RULES TG5)\n"
+        "honors only torch.grouped_mm.grouped_gemm.w4a16_mxfp4 (RULES TG3) (RULES TG5, TG6)\n"
     )
 
 
@@ -102,12 +124,17 @@ def test_require_with_an_honored_tactic_exits_0(capsys):
     assert (code, err) == (0, "")
 
 
-def test_a_glm_draft_tactic_is_refused_under_require_and_a_draft_backend_is_claimed(capsys):
-    # RULES TG4, TG5 (scenario glm_5_2)
+def test_a_glm_draft_tactic_is_refused_under_require_and_a_draft_backend_is_claimed_but_not_served(capsys):
+    # RULES TG4, TG5 (scenario glm_5_2); TG6: the target claims the draft backend, but its build has no draft
     code, _, err = explain(capsys, "--model", "glm_5_2", "--sm", "107", "--spec-mode", "mtp", "--draft-tactic", "eager", "--mode", "require")
     assert code == 2 and "this target declares no draft_moe_impls_honored, so it honors no tactic" in err
     code, out, err = explain(capsys, "--model", "glm_5_2", "--sm", "107", "--spec-mode", "mtp", "--draft-backend", "VANILLA", "--mode", "require")
-    assert (code, err) == (0, "") and "claims this selection" in out
+    assert "  claims: yes: claims this selection (RULES TG3, TG4)\n" in out
+    assert "  draft: no: built with no draft; this selection needs a draft for mode 'mtp'\n" in out
+    assert (code, err) == (2, (
+        "error: --mode require: no target serves this selection: glm_5_2_nvfp4__sm_107__low_latency: built with no draft; "
+        "this selection needs a draft for mode 'mtp' (RULES TG5, TG6)\n"
+    ))
 
 
 def test_json_output_parses_and_holds_the_reports(capsys):
@@ -161,3 +188,76 @@ def test_python_dash_m_codegen_explain_exits_with_the_same_codes(args, code):
     )
     assert run.returncode == code, run.stderr
     assert "Traceback" not in run.stderr
+
+
+# --- FN4: the widened tactic a message suggests is itself accepted; SM per candidate (issue 10 §3) ---
+
+SUGGESTED = re.compile(r"; '([^']+)' covers [a-z0-9_, ]+ within [A-Z]+ \(RULES FN4\)\n$")
+
+
+def _tactics() -> list[str]:
+    """Every tactic spelled from the segments of the registered ids (in segment order)."""
+    from registry.impls import load_registry
+
+    out = set()
+    for impl in load_registry().impls:
+        segments = str(impl.id).split(".")
+        for n in range(1, len(segments) + 1):
+            out |= {".".join(c) for c in itertools.combinations(segments, n)}
+    return sorted(out)
+
+
+@pytest.mark.parametrize("model, sm", [("deepseek_v3", 90), ("tiny_gpt_oss", 90), ("tiny_glm4_moe", 90)])
+def test_every_widened_tactic_a_message_suggests_is_accepted_when_fed_back(capsys, model, sm):
+    # RULES FN4: one family per format, and it resolves (every eligibility gate) for each layer kind
+    suggested = 0
+    for tactic in _tactics():
+        code, _, err = explain(capsys, "--model", model, "--sm", str(sm), "--tactic", tactic)
+        found = SUGGESTED.search(err)
+        if code == 2 and found:
+            suggested += 1
+            again, _, err2 = explain(capsys, "--model", model, "--sm", str(sm), "--tactic", found.group(1))
+            assert (again, err2) == (0, ""), f"{tactic!r} suggested {found.group(1)!r}, refused: {err2}"
+    assert suggested > 0
+
+
+def test_a_widened_tactic_fn3_would_refuse_is_not_suggested(capsys):
+    # RULES FN4: dropping 'bf16' leaves 'grouped_gemm', which names CUPY and TORCH for fp8_block_scales (FN3)
+    code, out, err = explain(capsys, "--model", "deepseek_v3", "--sm", "90", "--tactic", "grouped_gemm.bf16")
+    assert (code, out) == (2, "")
+    assert err == (
+        "error: moe_config.tactic 'grouped_gemm.bf16' names no implementation of fp8_block_scales on sm_90, the format of "
+        "routed layers 3-60 (checkpoint quant_algo FP8_BLOCK_SCALES); fp8_block_scales is served by "
+        "cupy.mma.grouped_gemm.fp8_block_scales ('cupy.fp8_block_scales'), torch.grouped_mm.grouped_gemm.fp8_block_scales "
+        "('grouped_mm.fp8_block_scales'), torch.eager.loop.fp8_block_scales ('eager.fp8_block_scales'); no tactic of one "
+        "family covers fp8_block_scales: select by backend (moe_config.backend) instead (RULES FN4)\n"
+    )
+
+
+def test_a_widened_tactic_no_implementation_of_passes_the_shape_gate_is_not_suggested(capsys):
+    # RULES FN4: 'cupy' names cupy.mma.grouped_gemm.bf16, which the tiny intermediate size (32) turns down
+    code, _, err = explain(capsys, "--model", "tiny_glm4_moe", "--sm", "90", "--tactic", "cupy.fp8_block_scales")
+    assert code == 2
+    assert err.endswith("; no tactic of one family covers bf16: select by backend (moe_config.backend) instead (RULES FN4)\n")
+
+
+def test_an_implementation_that_does_not_run_on_the_sm_is_reported_per_candidate(capsys):
+    # RULES LR2, LR3: the tactic names a bf16 implementation; it is turned down SM_UNSUPPORTED, not "names none"
+    code, out, err = explain(capsys, "--model", "tiny_qwen3_moe", "--sm", "100", "--tactic", "cupy.mma")
+    assert (code, out) == (2, "")
+    assert err == (
+        "error: moe_config.tactic 'cupy.mma' pins routed layers 0-1 (format bf16 on sm_100), but no implementation it "
+        "names can serve it: cupy.mma.grouped_gemm.bf16: SM_UNSUPPORTED (sm_100 is not among sm_90) (RULES LR3)\n"
+    )
+
+
+def test_the_generic_build_shows_no_refusal_for_a_target_nobody_declared(capsys):
+    # issue 10 §3: no target on sm_100 for deepseek_r1_nvfp4, so nothing can refuse the tactic
+    code, out, err = explain(capsys, "--model", "deepseek_r1_nvfp4", "--sm", "100", "--tactic", "torch", "--json")
+    assert (code, err) == (0, "")
+    (site,) = json.loads(out)["sites"]
+    assert (site["name"], site["target"], site["claimed"], site["refusals"], site["criteria"]) == (
+        "deepseek_r1_nvfp4/generic", False, True, [], []
+    )
+    code, out, _ = explain(capsys, "--model", "deepseek_r1_nvfp4", "--sm", "100", "--tactic", "torch")
+    assert code == 0 and "refus" not in out and "honor" not in out

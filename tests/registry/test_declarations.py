@@ -148,6 +148,28 @@ def test_a_parallel_profile_must_cover_the_same_ranks(tmp_path):
     assert load_error(tmp_path, text) == "FILE:17: parallel_profiles.fast: moe_tp x ep = 1 must equal tp x dp = 2"
 
 
+@pytest.mark.parametrize("name", ["tp2", "tp4_moetp2ep2", "dep2"])
+def test_a_parallel_profile_named_like_a_layout_is_refused(tmp_path, name):
+    # issue 10 §4: `tp2` meaning 4 ranks would make one name stand for two layouts
+    text = GOOD.replace("[[targets]]", f"[parallel_profiles.{name}]\ntp = 4\nmoe_tp = 4\nep = 1\n\n[[targets]]")
+    assert load_error(tmp_path, text) == (
+        f"FILE:17: parallel_profiles.{name}: profile {name!r} is named like a parallel layout (tp<N>, tp<N>_moetp<X>ep<Y>, "
+        "dep<N>), which means something of its own; this profile declares 4 ranks (tp 4, moe_tp 4, ep 1, dp 1): "
+        "rename it (e.g. low_latency)"
+    )
+
+
+def test_a_profile_named_like_a_layout_is_refused_by_the_cli_in_a_models_folder(tmp_path, capsys):
+    from codegen.cli import main
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    text = GOOD.replace("[[targets]]", "[parallel_profiles.tp2]\ntp = 4\nmoe_tp = 4\nep = 1\n\n[[targets]]")
+    write(folder / "mymodel.toml", text)
+    assert main(["list", "--models", str(folder)]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {folder / 'mymodel.toml'}:17: parallel_profiles.tp2: profile 'tp2' is named like")
+
+
 def test_a_declared_selection_is_checked_when_the_file_loads(tmp_path):
     # RULES TA2, TA4 at file:line
     text = GOOD + 'selection = { backend = "TORCH", tactic = "bf16" }\n'

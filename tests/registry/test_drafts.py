@@ -65,6 +65,18 @@ def test_with_both_draft_fields_unset_the_draft_inherits_the_target_backend():
     assert resolution.notes == ("the draft inherits moe_config.backend 'VANILLA' (speculative_config.moe_backend is unset) (RULES DR1)",)
 
 
+def test_an_inherited_auto_stays_auto_and_resolves_against_the_drafts_own_weights():
+    # RULES DR1 (as updated), DR2 (scenario deepseek_r1_nvfp4): NVFP4 target, BF16 MTP layer
+    resolution = resolve("deepseek_r1_nvfp4", Selection(spec_mode="mtp"), 100)
+    (target,) = targets(resolution)
+    (draft,) = drafts(resolution)
+    assert (target.run_format, target.winner) == ("nvfp4", "torch.eager.loop.nvfp4")
+    assert (draft.requested, draft.field, draft.run_format, draft.winner, draft.selected_by) == (
+        "AUTO", "speculative_config.moe_backend", "bf16", "torch.grouped_mm.grouped_gemm.bf16", "preferred",
+    )
+    assert resolution.notes == ("the draft inherits moe_config.backend 'AUTO' (speculative_config.moe_backend is unset) (RULES DR1)",)
+
+
 def test_a_draft_tactic_pins_and_a_draft_backend_selects():
     # RULES DR1 (scenario minimax_m3: three MTP modules in NVFP4)
     pinned = drafts(resolve("minimax_m3", Selection(spec_mode="mtp", draft_tactic="eager.nvfp4"), 103))

@@ -293,3 +293,47 @@ def test_an_empty_honored_list_honors_nothing():
         "moe_config.backend 'AUTO': no eligible honored implementation for routed layers 0 (format bf16 on sm_90); "
         "it would run cupy.mma.grouped_gemm.bf16, and this target honors no implementation (RULES TG4)",
     )
+
+
+def _models_cli_error(tmp_path, text: str) -> tuple[int, str]:
+    """`python -m codegen list --models DIR` (its main()) on one declaration: the exit code and stderr."""
+    import contextlib
+    import io
+
+    from codegen.cli import main
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    write(folder / "m.toml", text)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["list", "--models", str(folder)])
+    return code, err.getvalue()
+
+
+def test_an_honored_id_that_fails_the_shape_gate_on_every_layer_is_invalid_in_a_models_folder(tmp_path):
+    # RULES TG2 (issue 10 §3): every eligibility gate, for the user's own declaration folders too
+    text = TARGET_DECL.format(name="m", sm=90, second="cupy.mma.grouped_gemm.bf16").replace("intermediate_size = 128", "intermediate_size = 96")
+    code, err = _models_cli_error(tmp_path, text)
+    assert (code, err) == (2, (
+        f"error: {tmp_path / 'mine' / 'm.toml'}:21: targets[0].moe_impls_honored: cupy.mma.grouped_gemm.bf16 is not "
+        "eligible for any of this target's layers on sm_90 with parallel tp1: cupy.mma.grouped_gemm.bf16: SHAPE_UNALIGNED "
+        "(intermediate shard 96 (moetp1) is not a multiple of 64); list an implementation that can serve them (RULES TG2)\n"
+    ))
+
+
+def test_an_honored_id_that_fails_the_topology_gate_is_invalid(tmp_path):
+    # RULES TG2: 4 experts do not split over 8 expert-parallel ranks, whatever the implementation
+    text = TARGET_DECL.format(name="m", sm=90, second="torch.eager.loop.bf16").replace('parallel = "tp1"', 'parallel = "tp8_moetp1ep8"')
+    code, err = _models_cli_error(tmp_path, text)
+    assert (code, err) == (2, (
+        f"error: {tmp_path / 'mine' / 'm.toml'}:21: targets[0].moe_impls_honored: torch.grouped_mm.grouped_gemm.bf16 is not "
+        "eligible for any of this target's layers on sm_90 with parallel tp8_moetp1ep8: torch.grouped_mm.grouped_gemm.bf16: "
+        "TOPOLOGY_UNSUPPORTED (4 experts do not split over ep8); list an implementation that can serve them (RULES TG2)\n"
+    ))
+
+
+def test_an_honored_id_eligible_for_the_layers_loads(tmp_path):
+    # RULES TG2: the same declaration with an aligned intermediate size is valid
+    text = TARGET_DECL.format(name="m", sm=90, second="cupy.mma.grouped_gemm.bf16")
+    assert _models_cli_error(tmp_path, text) == (0, "")
