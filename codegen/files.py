@@ -46,11 +46,12 @@ def normalize(text: str) -> str:
 
 def verify_outputs(outputs: list[Output]) -> None:
     """Parse every Python output and check its claims (GN1, GN4); the first violation raises."""
-    from codegen.verify import verify_python
+    from codegen.verify import DATA_CLAIMS, verify_python
 
     for out in outputs:
         if out.path.endswith(".py"):
-            verify_python(out.path, out.content, out.claims)
+            # A Python output that declares no claims is held to the strictest: constants only.
+            verify_python(out.path, out.content, out.claims or DATA_CLAIMS)
 
 
 def _read(target: Path) -> bytes | None:
