@@ -36,7 +36,9 @@ class Output:
 
 
 def python_header(command: str, fingerprint: str, what: str) -> str:
-    return f"# {MARKER}\n# Regenerate: {command}\n# Fingerprint: {fingerprint}\n# {what}\n"
+    # A line break in a comment would end it (a --models path may hold one): escape what cannot print.
+    line = lambda text: "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return f"# {MARKER}\n# Regenerate: {line(command)}\n# Fingerprint: {line(fingerprint)}\n# {line(what)}\n"
 
 
 def normalize(text: str) -> str:

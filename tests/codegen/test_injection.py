@@ -117,3 +117,17 @@ def test_a_non_finite_config_number_is_refused_when_the_declaration_loads(capsys
 def test_the_literal_filter_spells_non_finite_floats_as_expressions_that_evaluate_back(value, check):
     # Defence in depth behind the typed config: `repr(nan)` is a bare name, which would not evaluate back.
     assert check(eval(py(value), {"__builtins__": {"float": float}}))
+
+
+def test_a_value_that_passed_validation_still_cannot_end_its_docstring_or_header_comment():
+    # Defence in depth (RULES GN4): what reaches a docstring goes through `doc`, a header line escapes line breaks.
+    from codegen.render import render_python
+    from codegen.verify import DATA_CLAIMS, verify_python
+
+    text = render_python("package_init.py.j2", "m/__init__.py", "generate --models 'dir\nimport os'", "sha256:0",
+                         "What\r\nexec('x')", docstring=PAYLOAD + '"')
+    verify_python("m/__init__.py", text, DATA_CLAIMS)
+    tree = ast.parse(text)
+    assert [type(node).__name__ for node in tree.body] == ["Expr"]
+    assert ast.get_docstring(tree, clean=False) == PAYLOAD + '"'
+    assert text.splitlines()[1:4] == ["# Regenerate: generate --models 'dir\\nimport os'", "# Fingerprint: sha256:0", "# What\\r\\nexec('x')"]
