@@ -73,11 +73,12 @@ def normalize(family: str, config: dict, source: str = "the declaration") -> dic
     `config` is typed again here (a declaration's already is; a config.json read by import-checkpoint
     is not yet): nothing below reads a value of the wrong type or range."""
     from codegen.files import GenerationError
+    from registry.declarations import field_path
 
     try:
         config = configs.validate_config(family, config)
     except configs.ConfigError as exc:
-        raise GenerationError(f"{source}: {'.'.join(('config',) + tuple(map(str, exc.key)))}: {exc}") from None
+        raise GenerationError(f"{source}: {field_path(('config',) + exc.key)}: {exc}") from None
     # Keys only the template reads have no default: a declaration may leave them out until it renders.
     missing = [k for k in configs.template_keys(family) if config.get(k) is None]
     if missing:

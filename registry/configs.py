@@ -222,7 +222,7 @@ class _SparseStep(_Base):
 
 class Qwen3MoeConfig(_SparseStep, _Runtime):
     decoder_sparse_step: Dim = default(1)
-    mlp_only_layers: list[Index] = default([])
+    mlp_only_layers: list[Index] | None = default([])   # null: none (transformers reads null as [])
     # The class default window applies only under use_sliding_window (off by default).
     sliding_window: Dim | None = default(4096)
     use_sliding_window: bool = default(False)

@@ -8,6 +8,7 @@ implementation registry (TG2) run after the per-field checks.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -293,6 +294,12 @@ def _typed(family: str, config: dict, loc: tuple, table: str) -> dict:
         raise _FieldError(loc + exc.key, message) from None
 
 
+def field_path(loc: tuple) -> str:
+    """`targets[0].sm`; a key that is not a plain name is quoted (a key the user wrote may hold a line break)."""
+    parts = [f"[{p}]" if isinstance(p, int) else (p if re.fullmatch(r"[A-Za-z0-9_]+", str(p)) else repr(str(p))) for p in loc]
+    return ".".join(parts).replace(".[", "[")
+
+
 def _fix_hint(error: dict) -> str:
     kind = error["type"]
     if kind == "missing":
@@ -322,8 +329,7 @@ def load_declaration(path: Path, registry: Registry | None = None, display: str 
         else:
             message = first["msg"].removeprefix("Value error, ")
             message = f"{message}; {_fix_hint(first)}" if first["type"] in ("missing", "extra_forbidden") else message
-        dotted = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
-        raise DeclarationError(f"{shown}:{line_of(text, loc)}: {dotted or '(file)'}: {message}") from None
+        raise DeclarationError(f"{shown}:{line_of(text, loc)}: {field_path(loc) or '(file)'}: {message}") from None
     _check_against_registry(decl, text, shown, registry or load_registry())
     stem = path.stem
     if decl.model.name != stem:

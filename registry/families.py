@@ -58,7 +58,7 @@ def _after_dense(config: Config) -> tuple[int, ...]:
 
 def _sparse_step(config: Config) -> tuple[int, ...]:
     step = config.get("decoder_sparse_step", 1)
-    dense = set(config.get("mlp_only_layers", []))
+    dense = set(config.get("mlp_only_layers") or ())
     return tuple(i for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
 
 

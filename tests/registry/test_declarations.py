@@ -407,3 +407,9 @@ def test_an_unknown_default_routed_format_is_refused_at_its_line(tmp_path):
         "FILE:15: policies.default_routed_format: unknown expert format 'MXFP5'; known: FP8_BLOCK_SCALES, NVFP4, "
         "W4A16_NVFP4, MXFP4, W4A16_MXFP4"
     )
+
+
+def test_a_misspelt_key_holding_a_line_break_is_named_quoted_on_one_line(tmp_path):
+    # (Found by tests/codegen/test_declaration_property.py: the key was echoed with its line break.)
+    error = config_error(tmp_path, 'rope_scaling = { "x\\n\\"\\"\\"" = 0 }\n')
+    assert error == "FILE:13: config.rope_scaling.'x\\n\"\"\"': Extra inputs are not permitted; remove it or fix its spelling"
