@@ -50,8 +50,8 @@ def default(value):
     return Field(default=value, json_schema_extra=_DEFAULT)
 
 
-class ConfigFieldError(ValueError):
-    """A check across keys, located at the key named (for file:line)."""
+class ConfigError(ValueError):
+    """A `[config]` value refused: `key` is its path inside the table, the message says what to change."""
 
     def __init__(self, key: tuple, message: str):
         super().__init__(message)
@@ -90,7 +90,7 @@ class RopeScaling(_Typed):
                  "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor")}.get(kind, ())
         lacking = [k for k in needs if getattr(self, k) is None]
         if lacking:
-            raise ConfigFieldError((), f"rope type {kind!r} needs {', '.join(lacking)}; add it")
+            raise ConfigError((), f"rope type {kind!r} needs {', '.join(lacking)}; add it")
         return self
 
 
@@ -117,11 +117,15 @@ class _Base(_Typed):
     @model_validator(mode="after")
     def _consistent(self):
         if self.num_experts_per_tok > self.experts():
-            raise ConfigFieldError(("num_experts_per_tok",), f"num_experts_per_tok {self.num_experts_per_tok} exceeds the "
+            raise ConfigError(("num_experts_per_tok",), f"num_experts_per_tok {self.num_experts_per_tok} exceeds the "
                                    f"{self.experts()} routed experts; a token picks at most every expert")
         heads, kv = self.num_attention_heads, self.num_key_value_heads
         if heads is not None and kv is not None and heads % kv:
-            raise ConfigFieldError(("num_key_value_heads",), f"num_key_value_heads {kv} must divide num_attention_heads {heads}")
+            raise ConfigError(("num_key_value_heads",), f"num_key_value_heads {kv} must divide num_attention_heads {heads}")
+        for key in ("head_dim", "qk_rope_head_dim", "rotary_dim"):
+            value = getattr(self, key, None)
+            if value is not None and value % 2:
+                raise ConfigError((key,), f"{key} {value} must be even: rotary embedding turns pairs of dimensions")
         self._check()
         return self
 
@@ -133,12 +137,12 @@ class _Base(_Typed):
             return
         bad = [v for v in values if v >= self.num_hidden_layers]
         if bad or len(set(values)) != len(values):
-            raise ConfigFieldError((key,), f"{key} must list distinct layer indices below num_hidden_layers "
+            raise ConfigError((key,), f"{key} must list distinct layer indices below num_hidden_layers "
                                    f"{self.num_hidden_layers}; got {values!r}"[:300])
 
     def _per_layer(self, key: str, values) -> None:
         if values is not None and len(values) != self.num_hidden_layers:
-            raise ConfigFieldError((key,), f"{key} has {len(values)} entries; it needs one per layer (num_hidden_layers "
+            raise ConfigError((key,), f"{key} has {len(values)} entries; it needs one per layer (num_hidden_layers "
                                    f"{self.num_hidden_layers})")
 
 
@@ -167,15 +171,15 @@ class _DeepseekMoe(_Runtime):
 
     def _check(self) -> None:
         if self.first_k_dense_replace > self.num_hidden_layers:
-            raise ConfigFieldError(("first_k_dense_replace",), f"first_k_dense_replace {self.first_k_dense_replace} exceeds "
+            raise ConfigError(("first_k_dense_replace",), f"first_k_dense_replace {self.first_k_dense_replace} exceeds "
                                    f"num_hidden_layers {self.num_hidden_layers}")
         if self.n_routed_experts % self.n_group:
-            raise ConfigFieldError(("n_group",), f"n_group {self.n_group} must divide n_routed_experts {self.n_routed_experts}")
+            raise ConfigError(("n_group",), f"n_group {self.n_group} must divide n_routed_experts {self.n_routed_experts}")
         if self.topk_group > self.n_group:
-            raise ConfigFieldError(("topk_group",), f"topk_group {self.topk_group} exceeds n_group {self.n_group}")
+            raise ConfigError(("topk_group",), f"topk_group {self.topk_group} exceeds n_group {self.n_group}")
         reachable = self.topk_group * (self.n_routed_experts // self.n_group)
         if self.num_experts_per_tok > reachable:
-            raise ConfigFieldError(("num_experts_per_tok",), f"num_experts_per_tok {self.num_experts_per_tok} exceeds the "
+            raise ConfigError(("num_experts_per_tok",), f"num_experts_per_tok {self.num_experts_per_tok} exceeds the "
                                    f"{reachable} experts of the topk_group {self.topk_group} groups a token may pick from")
 
 
@@ -276,7 +280,7 @@ class MinimaxM2Config(_LocalExperts):
 
     def _check(self) -> None:
         if self.rotary_dim is not None and self.rotary_dim > self.head_dim:
-            raise ConfigFieldError(("rotary_dim",), f"rotary_dim {self.rotary_dim} exceeds head_dim {self.head_dim}")
+            raise ConfigError(("rotary_dim",), f"rotary_dim {self.rotary_dim} exceeds head_dim {self.head_dim}")
 
 
 class Qwen3NextConfig(_SparseStep):
@@ -330,14 +334,6 @@ def required_keys(family: str) -> tuple[str, ...]:
     return tuple(k for k, f in CONFIGS[family].model_fields.items() if f.is_required())
 
 
-class ConfigError(ValueError):
-    """A `[config]` value refused: `key` is its path inside the table, `message` says what to change."""
-
-    def __init__(self, key: tuple, message: str):
-        super().__init__(message)
-        self.key = key
-
-
 def validate_config(family: str, config: dict) -> dict:
     """The typed keys of `config` as given (unknown keys dropped), or `ConfigError` for the first bad one."""
     try:
@@ -355,19 +351,14 @@ def _first_error(family: str, exc: ValidationError) -> ConfigError:
     first = errors[0]
     original = first.get("ctx", {}).get("error")
     loc = tuple(first["loc"])
-    if isinstance(original, ConfigFieldError):
+    if isinstance(original, ConfigError):
         return ConfigError(loc + original.key, str(original))
-    # A union (`int | None`) reports each member; the last loc part names the member, not the key.
-    loc = tuple(p for p in loc if p not in _UNION_MEMBERS and not str(p).startswith(("constrained-", "literal[")))
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         message += "; remove it or fix its spelling"
     elif first["type"].endswith("_type") or first["type"] in ("literal_error", "string_pattern_mismatch"):
         message += f", not {_shown(first['input'])}"
     return ConfigError(loc, message)
-
-
-_UNION_MEMBERS = {"int", "float", "bool", "str", "list[int]", "RopeScaling", "none"}
 
 
 def _shown(value) -> str:

@@ -146,6 +146,7 @@ def test_a_model_of_absurdly_many_layers_is_refused_before_anything_is_planned(t
     ("rope_theta = -inf", "FILE:13: config.rope_theta: Input should be a finite number"),
     ("rope_theta = \"1e6\"", "FILE:13: config.rope_theta: Input should be a valid number, not a string '1e6'"),
     ("sliding_window = 0", "FILE:13: config.sliding_window: Input should be greater than or equal to 1"),
+    ("head_dim = 15", "FILE:13: config.head_dim: head_dim 15 must be even: rotary embedding turns pairs of dimensions"),
     ("hidden_act = \"gelu\"", "FILE:13: config.hidden_act: Input should be 'silu', not a string 'gelu'"),
     ("tie_word_embeddings = true", "FILE:13: config.tie_word_embeddings: Input should be False, not a boolean True"),
     ("architectures = [\"Mixtral; import os\"]",
