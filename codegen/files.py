@@ -37,7 +37,9 @@ class Output:
 
 
 def python_header(command: str, fingerprint: str, what: str) -> str:
-    return f"# {MARKER}\n# Regenerate: {command}\n# Fingerprint: {fingerprint}\n# {what}\n"
+    # A line break in a comment would end it (a --models path may hold one): escape what cannot print.
+    line = lambda text: "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return f"# {MARKER}\n# Regenerate: {line(command)}\n# Fingerprint: {line(fingerprint)}\n# {line(what)}\n"
 
 
 def normalize(text: str) -> str:
@@ -47,11 +49,12 @@ def normalize(text: str) -> str:
 
 def verify_outputs(outputs: list[Output]) -> None:
     """Parse every Python output and check its claims (GN1, GN4); the first violation raises."""
-    from codegen.verify import verify_python
+    from codegen.verify import DATA_CLAIMS, verify_python
 
     for out in outputs:
         if out.path.endswith(".py"):
-            verify_python(out.path, out.content, out.claims)
+            # A Python output that declares no claims is held to the strictest: constants only.
+            verify_python(out.path, out.content, out.claims or DATA_CLAIMS)
 
 
 def _read(target: Path) -> bytes | None:

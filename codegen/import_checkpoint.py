@@ -19,6 +19,7 @@ from pathlib import Path
 import tomlkit
 
 from codegen.modelspec import normalize
+from registry.configs import ConfigError, validate_config
 from registry.declarations import MODELS_DIR, TOKEN, Declaration, load_declaration
 from registry.errors import DeclarationError
 from registry.families import RUNTIME_FAMILIES, family_for_architecture
@@ -189,17 +190,25 @@ def check_nulls(full: dict, body: dict, family: str) -> None:
     nulls = sorted(k for k, v in full.items() if v is None)
     if not nulls:
         return
-    built = normalize(family, body)
-    try:
-        meant = normalize(family, full)
-    except (TypeError, ValueError, ZeroDivisionError, OverflowError):
-        meant = {}   # a null the family's arithmetic cannot read: it means no value the build can inline
-    changed = sorted(k for k in set(meant) | set(built) if meant.get(k) != built.get(k))
+    # A null the family's typed config refuses (transformers has no null there) means no value the
+    # build can inline; the others are compared by what the build inlines with and without them.
+    refused = {k for k in nulls if not _reads_null(family, body, k)}
+    readable = {k: v for k, v in full.items() if k not in refused}
+    built, meant = normalize(family, body), normalize(family, readable)
+    changed = sorted(refused | {k for k in set(meant) | set(built) if meant.get(k) != built.get(k)})
     if changed:
         raise DeclarationError(
             f"config.json sets {', '.join(map(_shown, nulls))} to null; a declaration cannot state null (TOML has none) and "
             f"leaving it out changes what the {family} build inlines ({', '.join(map(_shown, changed))}): this checkpoint is not supported"
         )
+
+
+def _reads_null(family: str, body: dict, key: str) -> bool:
+    try:
+        validate_config(family, body | {key: None})
+    except ConfigError:
+        return False
+    return True
 
 
 def _suggested_target(decl: Declaration) -> list[str]:

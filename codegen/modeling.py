@@ -99,10 +99,10 @@ def _architecture(family: str, c: dict, plan: BuildPlan) -> list[str]:
         if windows:
             attention += ", sliding window " + ", ".join(str(w) for w in windows) + (" on alternate layers" if None in c["sliding_windows"] else "")
         rotary = f"rotary{scaled} on {rope['rotary_dim']} of {c['head_dim']} dims (base {base})"
-    return [
-        f"{layers}; {c[experts_key]} routed experts, top-{c['num_experts_per_tok']}{shared}.",
-        f"{attention}; {rotary}." if len(attention) + len(rotary) < 100 else f"{attention};\n{rotary}.",
-    ]
+    first = f"{layers}; {c[experts_key]} routed experts, top-{c['num_experts_per_tok']}{shared}."
+    if len(attention) + len(rotary) < 100:
+        return [first, f"{attention}; {rotary}."]
+    return [first, f"{attention};", f"{rotary}."]
 
 
 def _summary(plan: BuildPlan) -> list[str]:

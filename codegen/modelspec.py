@@ -12,26 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
-# Each family's config-class defaults (transformers 5.x) for the keys its template reads.
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "deepseek_v3": dict(rope_theta=10000.0, attention_bias=False, rope_interleave=True, norm_topk_prob=True, n_group=8,
-                        topk_group=4, routed_scaling_factor=2.5, n_shared_experts=1, rms_norm_eps=1e-6, q_lora_rank=1536,
-                        tie_word_embeddings=False),
-    "glm4_moe": dict(rope_theta=10000.0, partial_rotary_factor=0.5, attention_bias=False, use_qk_norm=False, norm_topk_prob=True,
-                     n_group=1, topk_group=1, routed_scaling_factor=1.0, n_shared_experts=1, rms_norm_eps=1e-5,
-                     num_key_value_heads=8, tie_word_embeddings=False),
-    # Qwen3-MoE's class default window (4096) applies only under use_sliding_window (off by default).
-    "qwen3_moe": dict(rope_theta=10000.0, attention_bias=False, sliding_window=4096, use_sliding_window=False,
-                      norm_topk_prob=False, rms_norm_eps=1e-6, decoder_sparse_step=1, mlp_only_layers=[],
-                      num_key_value_heads=4, tie_word_embeddings=False),
-    "mixtral": dict(rope_theta=1000000.0, head_dim=None, sliding_window=None, rms_norm_eps=1e-5, num_key_value_heads=8,
-                    tie_word_embeddings=False),
-    "gpt_oss": dict(rope_theta=150000.0, head_dim=64, attention_bias=True, sliding_window=128, swiglu_limit=7.0,
-                    rms_norm_eps=1e-5, num_key_value_heads=8, tie_word_embeddings=False,
-                    rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
-                                      original_max_position_embeddings=4096)),
-    "minimax_m2": dict(rope_theta=5000000.0, head_dim=128, rms_norm_eps=1e-6, num_key_value_heads=8, tie_word_embeddings=False),
-}
+from registry import configs
+from registry.families import RUNTIME_FAMILIES
+
+# Each family's config-class defaults (transformers 5.x) for the keys its template reads, stated
+# once with each key's type (registry.configs).
+DEFAULTS: dict[str, dict[str, Any]] = {family: configs.defaults(family) for family in RUNTIME_FAMILIES}
 
 # Raw keys that `normalize` folds into derived values (`rope`, `head_dim`, `sliding_windows`) and then
 # drops, so a template can only read the resolved value and two configs that mean the same build
@@ -46,7 +32,7 @@ def rope_parameters(config: dict, family: str) -> dict:
     over the top-level keys (MiniMax-M2's legacy `rotary_dim` counts as a top-level factor)."""
     defaults = DEFAULTS[family]
     params = dict(config.get("rope_scaling") or config.get("rope_parameters") or defaults.get("rope_scaling") or {})
-    params["rope_type"] = params.get("rope_type", params.pop("type", "default"))
+    params["rope_type"] = params.get("rope_type") or params.pop("type", None) or "default"
     params.setdefault("rope_theta", config.get("rope_theta", defaults["rope_theta"]))
     factor = config.get("partial_rotary_factor", defaults.get("partial_rotary_factor"))
     if factor is None and family == "minimax_m2" and config.get("rotary_dim"):
@@ -81,24 +67,21 @@ def rope(config: dict, family: str, head_dim: int) -> dict:
     return out
 
 
-# Keys a family's template reads that have no class default: a declaration lacking one is refused
-# when it renders, naming the keys (selection itself never reads them).
-TEMPLATE_KEYS = {
-    "deepseek_v3": ("num_attention_heads", "intermediate_size", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"),
-    "glm4_moe": ("num_attention_heads", "intermediate_size"),
-    "qwen3_moe": ("num_attention_heads",),
-    "mixtral": ("num_attention_heads",),
-    "gpt_oss": ("num_attention_heads",),
-    "minimax_m2": ("num_attention_heads",),
-}
-
-
 def normalize(family: str, config: dict, source: str = "the declaration") -> dict:
-    """Defaults filled in, head_dim and rotary parameters resolved, one attention window per layer."""
-    missing = [k for k in TEMPLATE_KEYS[family] if k not in config]
-    if missing:
-        from codegen.files import GenerationError
+    """Defaults filled in, head_dim and rotary parameters resolved, one attention window per layer.
 
+    `config` is typed again here (a declaration's already is; a config.json read by import-checkpoint
+    is not yet): nothing below reads a value of the wrong type or range."""
+    from codegen.files import GenerationError
+    from registry.declarations import field_path
+
+    try:
+        config = configs.validate_config(family, config)
+    except configs.ConfigError as exc:
+        raise GenerationError(f"{source}: {field_path(('config',) + exc.key)}: {exc}") from None
+    # Keys only the template reads have no default: a declaration may leave them out until it renders.
+    missing = [k for k in configs.template_keys(family) if config.get(k) is None]
+    if missing:
         raise GenerationError(f"{source}: [config] lacks {', '.join(missing)}, which the {family} template reads; add it")
     c = DEFAULTS[family] | dict(config)
     if family == "deepseek_v3":

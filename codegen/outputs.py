@@ -2,7 +2,8 @@
 
 Paths are relative to a *generated root* (the repo's `generated/`, `build/generated/` for exploration,
 or `--out DIR`); every import inside that root is package-relative, so a root works under any name.
-A build's model files carry the claims `codegen.verify` checks before they are written (RULES GN1).
+Every Python output carries the claims `codegen.verify` checks before it is written (RULES GN1, GN4):
+a build's model files their plan's, the rest the allow-list of constants-only or root-package code.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from codegen import catalog, schema
 from codegen.files import MARKER, Output
 from codegen.plan import BuildPlan, index_entry
 from codegen.render import render_python
-from codegen.verify import GENERIC_CLAIMS, claims_for_draft, claims_for_modeling
+from codegen.verify import DATA_CLAIMS, GENERIC_CLAIMS, ROOT_CLAIMS, claims_for_draft, claims_for_modeling
 from registry.declarations import Declaration
 from registry.impls import Registry
 
@@ -42,7 +43,8 @@ def build_outputs(decl: Declaration, plan: BuildPlan, registry: Registry, extra:
     command = target_command(plan, extra)
     out = [
         Output(f"{base}/__init__.py", render_python("package_init.py.j2", f"{base}/__init__.py", command, plan.fingerprint,
-                                                   f"Specialized build {plan.target}.", docstring=f"Specialized build {plan.target} of {plan.model}.")),
+                                                   f"Specialized build {plan.target}.", docstring=f"Specialized build {plan.target} of {plan.model}."),
+               DATA_CLAIMS),
         Output(f"{base}/modeling.py", render_modeling(decl, plan, registry, command), claims_for_modeling(plan, registry)),
         _json_output(f"{base}/resolution.json", plan.resolution, command, plan.fingerprint),
     ]
@@ -63,13 +65,14 @@ def model_outputs(decl: Declaration, generic: BuildPlan, registry: Registry, ext
     draft_configs = {d.name: d.config for d in decl.drafts}
     return [
         Output(f"{name}/__init__.py", render_python("package_init.py.j2", f"{name}/__init__.py", command, generic.fingerprint,
-                                                   f"Builds of {name}.", docstring=f"Generated builds of {name}.")),
+                                                   f"Builds of {name}.", docstring=f"Generated builds of {name}."), DATA_CLAIMS),
         Output(f"{name}/facts.py", render_python(
             "facts.py.j2", f"{name}/facts.py", command, generic.fingerprint, f"Facts of {name}.",
             model=name, family=decl.family.name, config=decl.config, profiles=profiles, quant=quant,
-            facts=generic.facts, draft_configs=draft_configs)),
+            facts=generic.facts, draft_configs=draft_configs), DATA_CLAIMS),
         Output(f"{name}/generic/__init__.py", render_python("package_init.py.j2", f"{name}/generic/__init__.py", command, generic.fingerprint,
-                                                           f"Generic build of {name}.", docstring=f"Generic build of {name}: resolves each layer when it loads.")),
+                                                           f"Generic build of {name}.", docstring=f"Generic build of {name}: resolves each layer when it loads."),
+               DATA_CLAIMS),
         Output(f"{name}/generic/modeling.py", render_generic(decl, generic, registry, command), GENERIC_CLAIMS),
     ]
 
@@ -83,11 +86,12 @@ def index_outputs(models: list[str], plans: list[BuildPlan], command: str = ALL_
     fingerprint = "sha256:" + hashlib.sha256(json.dumps([entries, targets], sort_keys=True).encode()).hexdigest()
     return [
         Output("_router_index.py", render_python("router_index.py.j2", "_router_index.py", command, fingerprint,
-                                                 "The router's index of every build in this package.", models=entries, targets=targets)),
+                                                 "The router's index of every build in this package.", models=entries, targets=targets),
+               DATA_CLAIMS),
         Output("__init__.py", render_python("generated_init.py.j2", "__init__.py", command, fingerprint,
-                                            "load_model: the router over the builds in this package.")),
+                                            "load_model: the router over the builds in this package."), ROOT_CLAIMS),
         Output("run.py", render_python("run.py.j2", "run.py", command, fingerprint,
-                                       "The launcher: python -m generated.run (runtime.launch).")),
+                                       "The launcher: python -m generated.run (runtime.launch)."), ROOT_CLAIMS),
     ]
 
 

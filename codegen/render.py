@@ -2,7 +2,8 @@
 
 Every value that reaches generated code goes through the `py` filter (a Python literal via repr, with
 dict keys sorted), so no string from a declaration is ever pasted into code unquoted (names are also
-checked as identifier-safe tokens when declarations load). Rendered Python is parsed and its claims
+checked as identifier-safe tokens when declarations load); text inside a docstring goes through `doc`,
+which no value can end. Rendered Python is parsed and its claims
 checked by `codegen.files` before it is written (RULES GN1, GN4), not here: what `check` finds
 unchanged on disk was verified when it was written.
 """
@@ -42,6 +43,13 @@ def py(value) -> str:
     raise TypeError(f"cannot render {type(value).__name__} into generated code")
 
 
+def doc(text) -> str:
+    """`text` as it may stand inside a triple-quoted docstring: backslashes, double quotes and any
+    non-printable character (a line break included) escaped, so no value can end the docstring (GN4)."""
+    text = str(text).replace("\\", "\\\\").replace('"', '\\"')
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def py_block(value, indent: int = 0, width: int = 110) -> str:
     """`py`, but a dict or list too long for one line gets one item per line (reviewable diffs)."""
     flat = py(value)
@@ -69,6 +77,7 @@ def environment() -> jinja2.Environment:
     )
     env.filters["py"] = py
     env.filters["py_block"] = py_block
+    env.filters["doc"] = doc
     return env
 
 

@@ -1,9 +1,10 @@
 """Claims about rendered Python, checked with libcst before a file is written (RULES GN1, GN4).
 
 A generated file is only as trustworthy as what can be proven about it from its text: every rendered
-Python file must parse, and a build's model file must import nothing but torch, the runtime's ops and
-the experts classes of the implementations its plan binds (never the resolver), with the constants it
-declares equal to the plan's. libcst, not `ast`, because it is the concrete tree the rules name and
+Python file must parse and name, call and import only what an allow-list for its kind permits (RULES
+GN4: so code a declaration value smuggled in fails here even if a template slips), and a build's model
+file must import nothing but torch, the runtime's ops and the experts classes of the implementations
+its plan binds (never the resolver), with the constants it declares equal to the plan's. libcst, not `ast`, because it is the concrete tree the rules name and
 keeps every token of the text it checks. A violated claim is a `GenerationError` naming the file, the
 line and the claim; `verify_tree` runs the same claims on a checked-in tree for the tests.
 """
@@ -17,6 +18,40 @@ from pathlib import Path
 from codegen.files import GenerationError
 
 SPECIALIZED, DRAFT, GENERIC = "specialized", "draft", "generic"
+DATA, ROOT = "data", "root"   # constants only (facts, router index, package docstrings); the root package's code
+
+# The allow-list (RULES GN4): the builtins each kind of module may name besides what it binds itself
+# (so never eval, exec, open, getattr, __import__, globals...), the attributes it may read (the
+# runtime, torch and nn API the templates use; no dunder but __init__), the modules it may import.
+_MODEL_BUILTINS = frozenset({"True", "False", "None", "super", "range", "len", "tuple", "enumerate", "str", "float"})
+_BUILTINS = {
+    SPECIALIZED: _MODEL_BUILTINS,
+    DRAFT: _MODEL_BUILTINS,
+    GENERIC: _MODEL_BUILTINS,
+    DATA: frozenset({"True", "False", "None", "float"}),   # float('nan') and float('inf'): codegen.render.py
+    ROOT: _MODEL_BUILTINS | {"bool", "dict", "list", "sorted", "isinstance", "getattr", "ValueError", "__name__", "__package__"},
+}
+_MODEL_ATTRIBUTES = frozenset({
+    # torch and torch.nn
+    "arange", "bfloat16", "device", "dtype", "shape", "Module", "ModuleDict", "ModuleList", "add_module", "__init__",
+    # runtime.build, runtime.parallel.Layout, the generic build's resolution
+    "check_placement", "check_rank", "init_random", "load_class", "log_implementations", "cpu_impls", "implementations",
+    "resolution", "layers", "layout", "ep", "ep_rank", "moe_tp", "moe_tp_rank", "tp", "tp_rank", "world", "items",
+    # the modules a build is made of (checkpoint names)
+    "model", "embed_tokens", "self_attn", "mlp", "block_sparse_moe", "input_layernorm", "post_attention_layernorm",
+    "norm", "rotary_emb", "lm_head", "shared_head", "blocks", "new_cache", "hidden_states", "rank",
+})
+_ATTRIBUTES = {
+    SPECIALIZED: _MODEL_ATTRIBUTES,
+    DRAFT: _MODEL_ATTRIBUTES,
+    GENERIC: _MODEL_ATTRIBUTES,
+    DATA: frozenset(),
+    ROOT: frozenset({"CONFIG", "FACTS", "FAMILY", "PROFILES", "QUANT", "MODEL_CLASS", "INFO", "WARNING", "RunTarget", "as_tuple",
+                     "exit", "format", "get", "getLogger", "import_module", "init_random", "items", "join", "kind",
+                     "load_checkpoint", "log", "main", "module", "reasons", "__name__"}),
+}
+# The root package imports the stdlib modules below, the runtime and the registry (it routes and launches).
+_ROOT_IMPORTS = frozenset({"importlib", "logging", "pathlib", "sys", "runtime", "registry"})
 
 # Calls that would load a class by name at run time, and so undo the pre-binding of a specialized build.
 _DYNAMIC_LOADERS = ("__import__", "import_module", "load_class")
@@ -69,6 +104,8 @@ def claims_for_draft(plan, registry) -> Claims:
 
 
 GENERIC_CLAIMS = Claims(kind=GENERIC)
+DATA_CLAIMS = Claims(kind=DATA)
+ROOT_CLAIMS = Claims(kind=ROOT)
 
 
 def _honored(value):
@@ -109,19 +146,20 @@ class _Checker:
         self._positions = None
 
     # -- reporting ---------------------------------------------------------------------------------
-    def line(self, node) -> int:
-        if node is None:
-            return 1
+    def positions(self):
         if self._positions is None:
             import libcst.metadata as meta
 
             # Positions are computed only when a claim fails: the clean path never pays for them.
             wrapper = meta.MetadataWrapper(self.module, unsafe_skip_copy=True)
             self._positions = wrapper.resolve(meta.PositionProvider)
-        return self._positions[node].start.line
+        return self._positions
 
-    def fail(self, node, claim: str, detail: str) -> None:
-        raise GenerationError(f"{self.path}:{self.line(node)}: claim '{claim}' does not hold: {detail} (RULES GN1)")
+    def line(self, node) -> int:
+        return 1 if node is None else self.positions()[node].start.line
+
+    def fail(self, node, claim: str, detail: str, rule: str = "GN1") -> None:
+        raise GenerationError(f"{self.path}:{self.line(node)}: claim '{claim}' does not hold: {detail} (RULES {rule})")
 
     # -- collection ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -146,12 +184,67 @@ class _Checker:
                     calls.append((node, func.attr.value))
         if self.claims.kind == GENERIC:
             self.check_generic(imports)
-            return
-        self.check_imports(imports)
-        for node, name in calls:
-            if name in _DYNAMIC_LOADERS:
-                self.fail(node, "a specialized build is pre-bound", f"it calls {name}(), which loads code by name at run time")
-        self.check_constants()
+        elif self.claims.kind in (SPECIALIZED, DRAFT):
+            self.check_imports(imports)
+            for node, name in calls:
+                if name in _DYNAMIC_LOADERS:
+                    self.fail(node, "a specialized build is pre-bound", f"it calls {name}(), which loads code by name at run time")
+            self.check_constants()
+        # Last, so that a broken template claim above is reported by its own, more specific message.
+        self.check_allowed(imports)
+
+    # -- the allow-list (GN4) --------------------------------------------------------------------------
+    def check_allowed(self, imports: list[_Import]) -> None:
+        """Every name is bound by the module or an allowed builtin, every attribute an allowed one, every
+        import one its kind may make: what a declaration value could smuggle in names something else."""
+        import libcst
+
+        kind = self.claims.kind
+        for imp in imports:
+            root = imp.module.split(".")[0]
+            if kind == DATA or (kind == ROOT and root not in _ROOT_IMPORTS and not imp.module.startswith(".")):
+                self.fail(imp.node, "imports only what its kind may", f"it imports {imp.module}", "GN4")
+        bound, definitions, called, dotted, refused = set(), set(), set(), set(), []
+        for node in _walk(self.module):
+            if id(node) in dotted:
+                continue   # a module path inside an import statement
+            if isinstance(node, (libcst.Import, libcst.ImportFrom)):
+                for alias in node.names if not isinstance(node.names, libcst.ImportStar) else ():
+                    bound.add(_bound_name(alias))
+                inside = [n for n in _walk(node) if n is not node]
+                dotted.update(id(n) for n in inside)
+                definitions.update(id(n) for n in inside if isinstance(n, libcst.Name))
+            elif isinstance(node, (libcst.FunctionDef, libcst.ClassDef, libcst.Param)):
+                bound.add(node.name.value)
+                definitions.add(id(node.name))
+            elif isinstance(node, libcst.AsName):
+                bound.update(_targets(node.name))
+                definitions.add(id(node.name))
+            elif isinstance(node, (libcst.AssignTarget, libcst.AnnAssign, libcst.AugAssign, libcst.NamedExpr)):
+                bound.update(_targets(node.target))
+            elif isinstance(node, (libcst.For, libcst.CompFor)):
+                bound.update(_targets(node.target))
+            elif isinstance(node, libcst.Arg) and node.keyword is not None:
+                definitions.add(id(node.keyword))
+            elif isinstance(node, libcst.Attribute):
+                definitions.add(id(node.attr))
+                if node.attr.value not in _ATTRIBUTES[kind]:
+                    refused.append((node, "uses only the runtime API its kind may", f"it reads the attribute .{node.attr.value}"))
+            elif isinstance(node, (libcst.Global, libcst.Nonlocal)):
+                definitions.update(id(item.name) for item in node.names)
+            elif isinstance(node, libcst.Call) and isinstance(node.func, libcst.Name):
+                called.add(id(node.func))
+        allowed = bound | _BUILTINS[kind]
+        for node in _walk(self.module):
+            if isinstance(node, libcst.Name) and id(node) not in definitions and node.value not in allowed:
+                what = f"it calls {node.value}()" if id(node) in called else f"it names {node.value}"
+                refused.append((node, "names only what it binds, imports or an allowed builtin", what))
+        if refused:
+            # The first offence in the text; of nested ones starting together, the innermost (`a.b` of `a.b.c`).
+            where = self.positions()
+            node, claim, detail = min(refused, key=lambda r: (where[r[0]].start.line, where[r[0]].start.column,
+                                                             where[r[0]].end.line, where[r[0]].end.column))
+            self.fail(node, claim, detail, "GN4")
 
     # -- imports ---------------------------------------------------------------------------------------
     def check_imports(self, imports: list[_Import]) -> None:
@@ -198,6 +291,10 @@ class _Checker:
         if not any(imp.module == "registry.generic" for imp in imports):
             self.fail(None, "a generic build resolves through registry.generic", "it does not import registry.generic")
         for imp in imports:
+            root = imp.module.split(".")[0]
+            if root not in ("__future__", "torch", "runtime") and imp.module not in ("registry.generic", "..facts"):
+                self.fail(imp.node, "a generic build imports only torch, the runtime, registry.generic and its facts",
+                          f"it imports {imp.module}")
             targets = [imp.module] if imp.module != "runtime" or imp.names is None else [f"runtime.{n}" for n in imp.names]
             for target in targets:
                 if target.startswith("runtime.experts") and target != _EXPERTS_CONTRACT:
@@ -321,6 +418,29 @@ def _walk(root):
                 stack.extend(v for v in value if isinstance(v, node_type))
 
 
+def _bound_name(alias) -> str:
+    """The name an import alias binds: `import a.b` binds `a`, `import a.b as c` and `from a import b as c` bind `c`."""
+    import libcst
+
+    node = alias.asname.name if alias.asname is not None else alias.name
+    while isinstance(node, libcst.Attribute):
+        node = node.value
+    return node.value
+
+
+def _targets(node) -> set[str]:
+    """The names an assignment target binds (a name, or names inside tuples and lists; not attributes)."""
+    import libcst
+
+    if isinstance(node, libcst.Name):
+        return {node.value}
+    if isinstance(node, (libcst.Tuple, libcst.List)):
+        return set().union(*(_targets(e.value) for e in node.elements)) if node.elements else set()
+    if isinstance(node, libcst.StarredElement):
+        return _targets(node.value)
+    return set()
+
+
 def _classes(claims: Claims) -> str:
     return _describe(claims.experts) or "no experts class"
 
@@ -337,21 +457,19 @@ def verify_tree(root: Path, plans, registry) -> list[str]:
     """Check the claims on a generated tree as it is on disk; return the files checked.
 
     `plans` are the build plans whose files live under `root` (`<model>/<target>/...`); every model
-    folder's `generic/modeling.py` is checked as a generic build. A violation raises `GenerationError`.
+    folder's `generic/modeling.py` is checked as a generic build, the root package's `__init__.py` and
+    `run.py` as its code, and every other Python file as constants only. A violation raises `GenerationError`.
     """
-    checked = []
-    models = set()
+    claims: dict[str, Claims] = {"__init__.py": ROOT_CLAIMS, "run.py": ROOT_CLAIMS}
     for plan in plans:
-        models.add(plan.model)
         base = f"{plan.model}/{plan.target}"
-        pairs = [(f"{base}/modeling.py", claims_for_modeling(plan, registry))]
+        claims[f"{base}/modeling.py"] = claims_for_modeling(plan, registry)
         if plan.draft is not None:
-            pairs.append((f"{base}/draft.py", claims_for_draft(plan, registry)))
-        for rel, claims in pairs:
-            verify_python(rel, (root / rel).read_text(encoding="utf-8"), claims)
-            checked.append(rel)
-    for model in sorted(models | {p.parent.parent.name for p in root.glob("*/generic/modeling.py")}):
-        rel = f"{model}/generic/modeling.py"
-        verify_python(rel, (root / rel).read_text(encoding="utf-8"), GENERIC_CLAIMS)
+            claims[f"{base}/draft.py"] = claims_for_draft(plan, registry)
+    for path in root.glob("*/generic/modeling.py"):
+        claims[path.relative_to(root).as_posix()] = GENERIC_CLAIMS
+    checked = []
+    for rel in sorted({p.relative_to(root).as_posix() for p in root.rglob("*.py")} | set(claims)):
+        verify_python(rel, (root / rel).read_text(encoding="utf-8"), claims.get(rel, DATA_CLAIMS))
         checked.append(rel)
     return checked

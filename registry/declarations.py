@@ -8,11 +8,13 @@ implementation registry (TG2) run after the per-field checks.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from registry.configs import CONFIGS, ConfigError, validate_config
 from registry.eligibility import Deployment, eligibility
 from registry.errors import DeclarationError, MoegenError
 from registry.families import FAMILIES, FamilySpec
@@ -80,7 +82,7 @@ class DraftDecl(_Strict):
     num_layers: int | None = Field(default=None, ge=0)  # draft stages / replacement heads
     experts_prefix: str | None = None                   # "{k}" = draft layer number
     family: str | None = None                           # external / eagle3: the drafter's own family
-    config: dict[str, Any] | None = None                # ... and its own config
+    config: dict[str, Any] | None = None                # ... and its own config (typed by Declaration)
     checkpoint: CheckpointDecl | None = None            # own quant metadata (external, replacement_mtp)
 
     @field_validator("modes")
@@ -170,7 +172,7 @@ class TargetDecl(_Strict):
 
 class Declaration(_Strict):
     model: ModelSection
-    config: dict[str, Any]
+    config: dict[str, Any]     # the family's typed keys only (registry.configs), as the file gives them
     policies: Policies = Policies()
     checkpoints: tuple[CheckpointDecl, ...] = Field(min_length=1)
     drafts: tuple[DraftDecl, ...] = ()
@@ -234,23 +236,30 @@ class Declaration(_Strict):
         sites = tuple(MoeSite(layer, m, expert_format(quant, m, members)) for layer, m in zip(layers, modules))
         return DraftFacts(draft.name, draft.kind, draft.modes, sites, shape, draft.vanilla_with_target)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _typed_configs(cls, data):
+        """Type and range-check the model's [config] and each drafter's own config by their family
+        (RULES GN4), before anything reads them; a family that is unknown is reported by its field."""
+        if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+            return data
+        family = data["model"].get("family")
+        data = dict(data)
+        if isinstance(family, str) and family in CONFIGS and isinstance(data.get("config"), dict):
+            data["config"] = _typed(family, data["config"], ("config",), "[config]")
+        if isinstance(data.get("drafts"), list):
+            drafts = []
+            for n, draft in enumerate(data["drafts"]):
+                own = draft.get("family") or family if isinstance(draft, dict) else None
+                if isinstance(own, str) and own in CONFIGS and isinstance(draft.get("config"), dict):
+                    draft = draft | {"config": _typed(own, draft["config"], ("drafts", n, "config"), "the drafter's config")}
+                drafts.append(draft)
+            data["drafts"] = drafts
+        return data
+
     @model_validator(mode="after")
     def _cross_checks(self):
         # Each error is located at the table or entry it is about, not at the file's first line.
-        missing = [k for k in self.family.required if k not in self.config]
-        if missing:
-            raise _FieldError(("config",), f"[config] lacks {', '.join(missing)}, which family {self.family.name} needs; add it")
-        for n, draft in enumerate(self.drafts):
-            # A drafter with its own config is built from it: its family's keys must be there too
-            # (else a missing key would raise KeyError when the model's facts are built).
-            if draft.config is not None:
-                own = FAMILIES[draft.family or self.model.family]
-                lacking = [k for k in own.required if k not in draft.config]
-                if lacking:
-                    raise _FieldError(
-                        ("drafts", n, "config"),
-                        f"the drafter's config lacks {', '.join(lacking)}, which family {own.name} needs; add it",
-                    )
         for name, profile in self.parallel_profiles.items():
             if layout_grammar(name):
                 raise _FieldError(
@@ -285,6 +294,20 @@ class _FieldError(ValueError):
         self.loc = loc
 
 
+def _typed(family: str, config: dict, loc: tuple, table: str) -> dict:
+    try:
+        return validate_config(family, config)
+    except ConfigError as exc:
+        message = f"{table} {exc}" if not exc.key else str(exc)
+        raise _FieldError(loc + exc.key, message) from None
+
+
+def field_path(loc: tuple) -> str:
+    """`targets[0].sm`; a key that is not a plain name is quoted (a key the user wrote may hold a line break)."""
+    parts = [f"[{p}]" if isinstance(p, int) else (p if re.fullmatch(r"[A-Za-z0-9_]+", str(p)) else repr(str(p))) for p in loc]
+    return ".".join(parts).replace(".[", "[")
+
+
 def _fix_hint(error: dict) -> str:
     kind = error["type"]
     if kind == "missing":
@@ -310,8 +333,7 @@ def load_declaration(path: Path, registry: Registry | None = None, display: str 
         else:
             message = first["msg"].removeprefix("Value error, ")
             message = f"{message}; {_fix_hint(first)}" if first["type"] in ("missing", "extra_forbidden") else message
-        dotted = ".".join(str(p) if not isinstance(p, int) else f"[{p}]" for p in loc).replace(".[", "[")
-        raise DeclarationError(f"{shown}:{line_of(text, loc)}: {dotted or '(file)'}: {message}") from None
+        raise DeclarationError(f"{shown}:{line_of(text, loc)}: {field_path(loc) or '(file)'}: {message}") from None
     _check_against_registry(decl, text, shown, registry or load_registry())
     stem = path.stem
     if decl.model.name != stem:

@@ -1,6 +1,7 @@
 """Architecture families: where a family keeps its MoE layers and what each layer asks of an implementation.
 
-Pure functions of a declaration's HF-style `config` table. `runtime` says whether the runtime can
+Pure functions of a declaration's HF-style `config` table, typed and range-checked by
+`registry.configs` before any of them reads it. `runtime` says whether the runtime can
 build the family; a declaration of another family still resolves and explains (its layers are data),
 but no build is generated for it.
 """
@@ -30,7 +31,6 @@ class FamilySpec:
     name: str
     runtime: bool
     architectures: tuple[str, ...]          # config.json "architectures" values it reads
-    required: tuple[str, ...]               # config keys a declaration must give
     moe_layers: Callable[[Config], tuple[int, ...]]
     shape: Callable[[Config], MoeShape]
     experts_prefix: str = "model.layers.{layer}.mlp.experts"     # "{layer}" = decoder layer index
@@ -58,7 +58,7 @@ def _after_dense(config: Config) -> tuple[int, ...]:
 
 def _sparse_step(config: Config) -> tuple[int, ...]:
     step = config.get("decoder_sparse_step", 1)
-    dense = set(config.get("mlp_only_layers", []))
+    dense = set(config.get("mlp_only_layers") or ())
     return tuple(i for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
 
 
@@ -85,15 +85,11 @@ def _key(name: str) -> Callable[[Config], int]:
 
 
 _W123 = ("0.w1", "0.w2", "0.w3")
-# The keys selection reads (where the MoE layers are, their shape); the keys only a template reads
-# (attention heads, rotary) are checked by codegen when it renders the family.
-_BASE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_experts_per_tok")
 
 _DEEPSEEK_V3 = FamilySpec(
     name="deepseek_v3",
     runtime=True,
     architectures=("DeepseekV3ForCausalLM",),
-    required=_BASE + ("moe_intermediate_size", "n_routed_experts", "first_k_dense_replace"),
     draft_experts_prefix="model.layers.{layer}.mlp.experts",
     moe_layers=_after_dense,
     num_draft_layers=_key("num_nextn_predict_layers"),
@@ -109,13 +105,11 @@ FAMILIES: dict[str, FamilySpec] = {
             _DEEPSEEK_V3,
             name="glm4_moe",
             architectures=("Glm4MoeForCausalLM",),
-            required=_BASE + ("moe_intermediate_size", "n_routed_experts", "first_k_dense_replace"),
         ),
         FamilySpec(
             name="qwen3_moe",
             runtime=True,
             architectures=("Qwen3MoeForCausalLM",),
-            required=_BASE + ("moe_intermediate_size", "num_experts"),
             moe_layers=_sparse_step,
             shape=_shape("num_experts", "moe_intermediate_size"),
         ),
@@ -123,7 +117,6 @@ FAMILIES: dict[str, FamilySpec] = {
             name="mixtral",
             runtime=True,
             architectures=("MixtralForCausalLM",),
-            required=_BASE + ("intermediate_size", "num_local_experts"),
             experts_prefix="model.layers.{layer}.block_sparse_moe.experts",
             expert_members=_W123,
             moe_layers=_every_layer,
@@ -133,7 +126,6 @@ FAMILIES: dict[str, FamilySpec] = {
             name="gpt_oss",
             runtime=True,
             architectures=("GptOssForCausalLM",),
-            required=_BASE + ("intermediate_size", "num_local_experts"),
             expert_members=("gate_up_proj", "down_proj"),
             moe_layers=_every_layer,
             shape=_shape("num_local_experts", "intermediate_size", activation="swiglu_oai", bias=True),
@@ -142,7 +134,6 @@ FAMILIES: dict[str, FamilySpec] = {
             name="minimax_m2",
             runtime=True,
             architectures=("MiniMaxM2ForCausalLM",),
-            required=_BASE + ("intermediate_size", "num_local_experts"),
             experts_prefix="model.layers.{layer}.block_sparse_moe.experts",
             # MTP modules: one transformer layer each (research §2, num_mtp_modules); the module
             # path is assumed, no public checkpoint index was available.
@@ -156,7 +147,6 @@ FAMILIES: dict[str, FamilySpec] = {
             name="qwen3_next",
             runtime=False,
             architectures=("Qwen3NextForCausalLM",),
-            required=_BASE + ("moe_intermediate_size", "num_experts"),
             draft_experts_prefix="mtp.layers.{k}.mlp.experts",
             moe_layers=_sparse_step,
             num_draft_layers=_key("mtp_num_hidden_layers"),
@@ -166,7 +156,6 @@ FAMILIES: dict[str, FamilySpec] = {
             name="nemotron_h",
             runtime=False,
             architectures=("NemotronHForCausalLM",),
-            required=_BASE + ("moe_intermediate_size", "n_routed_experts", "hybrid_override_pattern"),
             experts_prefix="backbone.layers.{layer}.mixer.experts",
             draft_experts_prefix="mtp.layers.{k}.mixer.experts",
             expert_members=("0.up_proj", "0.down_proj"),

@@ -113,21 +113,33 @@ INJECTED = '"\n[[targets]]\ncheckpoint = "m"\nsm = 90\nparallel = "tp1"\nmoe_imp
 
 
 def test_config_keys_values_and_the_folder_name_cannot_inject_toml(capsys, tmp_path):
-    config = MIXTRAL | {f"x{INJECTED}": 1, "hidden_act": f"silu{INJECTED}", "rope_scaling": {f"k{INJECTED}": "v"}}
+    # Keys the family does not read are kept in the TOML (and dropped when it loads); values the family
+    # reads are typed, so an injected string there is refused before anything is written (next test).
+    config = MIXTRAL | {f"x{INJECTED}": 1, f"y{INJECTED}": {f"k{INJECTED}": f"v{INJECTED}"}}
     folder = checkpoint(tmp_path / f"ckpt{INJECTED}", config)
     out = tmp_path / "m.toml"
     assert cli(capsys, "import-checkpoint", folder, "--out", out)[0] == 0
     data = tomllib.loads(out.read_text(encoding="utf-8"))
     assert "targets" not in data
     assert data["config"][f"x{INJECTED}"] == 1
-    assert data["config"]["hidden_act"] == f"silu{INJECTED}"
-    assert data["config"]["rope_scaling"] == {f"k{INJECTED}": "v"}
+    assert data["config"][f"y{INJECTED}"] == {f"k{INJECTED}": f"v{INJECTED}"}
     assert data["model"]["doc"] == f"Imported from ckpt{INJECTED}."
     # The comments name only the validated model name, never the folder.
     assert [line for line in out.read_text().splitlines() if line.startswith("#")][:2] == [
         "# m: imported by `python -m codegen import-checkpoint` (model.doc names the folder).",
         "# Quant metadata: none (unquantized); 1 tensors in the safetensors headers.",
     ]
+
+
+
+def test_an_injected_string_in_a_value_the_family_reads_is_refused_before_any_write(capsys, tmp_path):
+    folder = checkpoint(tmp_path / "ckpt", MIXTRAL | {"hidden_act": f"silu{INJECTED}"})
+    out = tmp_path / "out" / "m.toml"
+    code, stdout, err = cli(capsys, "import-checkpoint", folder, "--out", out, "--name", "m")
+    assert (code, stdout) == (2, "")
+    assert err == (f"error: the declaration of {folder / 'config.json'}:11: config.hidden_act: Input should be 'silu', "
+                   "not a string 'silu\"\\n[[targets]]\\ncheckpoint = \"m\"...\n")
+    assert not (tmp_path / "out").exists()
 
 
 # --- nulls ----------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import math
 
 import pytest
 
+from codegen.render import py
 from tests.codegen.helpers import MYMOE, cli, write_models
 
 PAYLOAD = "x'''\"\"\"\\\n); import os; os.system('echo pwned') #"
@@ -84,22 +85,49 @@ def test_doc_strings_with_quotes_and_newlines_never_reach_code_unquoted(capsys, 
     assert_nothing_injected(generated_python(capsys, tmp_path, text))
 
 
-def test_config_strings_quant_patterns_and_profile_names_are_rendered_as_literals(capsys, tmp_path):
-    # RULES GN4: rendered Python is parsed; the values come back verbatim
+def test_config_keys_the_family_does_not_read_never_reach_generated_code(capsys, tmp_path):
+    # RULES GN4: HF configs carry many keys; only the family's typed keys are passed on
     text = MYMOE.replace("num_key_value_heads = 2\n", f'num_key_value_heads = 2\nnote = "{TOML_PAYLOAD}"\nlabels = ["{TOML_PAYLOAD}"]\n')
-    text = text.replace('name = "mymoe_bf16"\n', f'name = "mymoe_bf16"\nexclude_modules = ["{TOML_PAYLOAD}"]\n', 1)
+    sources = generated_python(capsys, tmp_path, text)
+    assert_nothing_injected(sources)
+    assert not [path for path, source in sources.items() if "pwned" in source]
+    assert set(facts_of(sources)["CONFIG"]) == {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                               "num_local_experts", "num_experts_per_tok", "num_attention_heads", "num_key_value_heads"}
+
+
+def test_quant_patterns_and_profile_names_are_rendered_as_literals(capsys, tmp_path):
+    # RULES GN4: rendered Python is parsed; the values come back verbatim
+    text = MYMOE.replace('name = "mymoe_bf16"\n', f'name = "mymoe_bf16"\nexclude_modules = ["{TOML_PAYLOAD}"]\n', 1)
     text += f'\n[parallel_profiles."{TOML_PAYLOAD}"]\ntp = 1\nmoe_tp = 1\nep = 1\n'
     sources = generated_python(capsys, tmp_path, text)
     assert_nothing_injected(sources)
     facts = facts_of(sources)
-    assert facts["CONFIG"]["note"] == PAYLOAD and facts["CONFIG"]["labels"] == [PAYLOAD]
     assert facts["QUANT"]["mymoe_bf16"]["exclude_modules"] == [PAYLOAD]
     assert facts["PROFILES"] == {PAYLOAD: [1, 1, 1, 1]}
 
 
-@pytest.mark.parametrize("value, check", [("nan", math.isnan), ("inf", lambda v: v == math.inf), ("-inf", lambda v: v == -math.inf)])
-def test_non_finite_config_numbers_render_as_expressions_that_evaluate_back(capsys, tmp_path, value, check):
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_non_finite_config_number_is_refused_when_the_declaration_loads(capsys, tmp_path, value):
     # (Fixed: `nan` rendered as a bare name, which parses and fails with NameError on import.)
-    text = MYMOE.replace("num_key_value_heads = 2\n", f"num_key_value_heads = 2\nodd = {value}\n")
-    sources = generated_python(capsys, tmp_path, text)
-    assert check(facts_of(sources)["CONFIG"]["odd"])
+    text = MYMOE.replace("num_key_value_heads = 2\n", f"num_key_value_heads = 2\nrms_norm_eps = {value}\n")
+    assert refused(capsys, tmp_path, text) == f"{line(text, 'rms_norm_eps')}: config.rms_norm_eps: Input should be a finite number\n"
+
+
+@pytest.mark.parametrize("value, check", [(math.nan, math.isnan), (math.inf, lambda v: v == math.inf), (-math.inf, lambda v: v == -math.inf)])
+def test_the_literal_filter_spells_non_finite_floats_as_expressions_that_evaluate_back(value, check):
+    # Defence in depth behind the typed config: `repr(nan)` is a bare name, which would not evaluate back.
+    assert check(eval(py(value), {"__builtins__": {"float": float}}))
+
+
+def test_a_value_that_passed_validation_still_cannot_end_its_docstring_or_header_comment():
+    # Defence in depth (RULES GN4): what reaches a docstring goes through `doc`, a header line escapes line breaks.
+    from codegen.render import render_python
+    from codegen.verify import DATA_CLAIMS, verify_python
+
+    text = render_python("package_init.py.j2", "m/__init__.py", "generate --models 'dir\nimport os'", "sha256:0",
+                         "What\r\nexec('x')", docstring=PAYLOAD + '"')
+    verify_python("m/__init__.py", text, DATA_CLAIMS)
+    tree = ast.parse(text)
+    assert [type(node).__name__ for node in tree.body] == ["Expr"]
+    assert ast.get_docstring(tree, clean=False) == PAYLOAD + '"'
+    assert text.splitlines()[1:4] == ["# Regenerate: generate --models 'dir\\nimport os'", "# Fingerprint: sha256:0", "# What\\r\\nexec('x')"]

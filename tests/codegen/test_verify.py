@@ -10,7 +10,7 @@ import pytest
 
 from codegen.files import GenerationError
 from codegen.modeling import render_draft, render_generic, render_modeling
-from codegen.verify import GENERIC_CLAIMS, claims_for_draft, claims_for_modeling, verify_python, verify_tree
+from codegen.verify import DATA_CLAIMS, GENERIC_CLAIMS, claims_for_draft, claims_for_modeling, verify_python, verify_tree
 from tests.codegen.helpers import ROOT
 
 KIMI = "kimi_k3"
@@ -39,12 +39,14 @@ def line_of(text, fragment):
 
 
 def test_the_checked_in_tree_satisfies_every_claim(project):
-    # RULES GN1: every specialized modeling.py/draft.py and every generic build of generated/
+    # RULES GN1, GN4: every Python file of generated/, each under its kind's claims
     decls, registry, plans = project
-    checked = verify_tree(ROOT / "generated", [p.plan for _, ts in plans.values() for p in ts], registry)
+    root = ROOT / "generated"
+    checked = verify_tree(root, [p.plan for _, ts in plans.values() for p in ts], registry)
+    assert checked == sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py"))
     targets = sum(len(ts) for _, ts in plans.values())
     drafts = sum(1 for _, ts in plans.values() for p in ts if p.plan.draft is not None)
-    assert len(checked) == targets + drafts + len(plans)
+    assert len([c for c in checked if c.endswith(("/modeling.py", "/draft.py"))]) == targets + drafts + len(plans)
 
 
 def test_a_specialized_build_importing_the_resolver_is_refused(project):
@@ -217,4 +219,70 @@ def test_a_build_binding_an_id_its_target_does_not_honor_is_refused(tmp_path):
     assert refusal(path, text, claims_for_modeling(plan, registry)) == (
         f"{path}:{line_of(text, 'IMPLEMENTATIONS = {')}: claim 'binds only honored ids' does not hold: it binds "
         f"{EAGER_BF16}, which MOE_IMPLS_HONORED ({GROUPED_BF16!r},) does not list (TG4) (RULES GN1)"
+    )
+
+
+# --- the allow-list (RULES GN4): an injected call fails even where no template claim looks -------------
+
+ALLOW = "names only what it binds, imports or an allowed builtin"
+API = "uses only the runtime API its kind may"
+
+
+@pytest.mark.parametrize("code, claim, detail", [
+    ("__import__('os').system('touch pwned')", ALLOW, "it calls __import__()"),
+    ("eval('1 + 1')", ALLOW, "it calls eval()"),
+    ("open('/tmp/pwned', 'w')", ALLOW, "it calls open()"),
+    ("getattr(getattr(torch, 'lo' + 'ad'), '__call__')('x.pt')", ALLOW, "it calls getattr()"),
+    ("__builtins__['exec']('x = 1')", ALLOW, "it names __builtins__"),
+    ("torch.load('x.pt')", API, "it reads the attribute .load"),
+    ("torch.hub.load('a', 'b')", API, "it reads the attribute .hub"),
+    ("().__class__.__bases__[0].__subclasses__()", API, "it reads the attribute .__class__"),
+    ("f'{nn.Module.__init__.__globals__}'", API, "it reads the attribute .__globals__"),
+])
+def test_an_injected_call_in_a_generic_build_fails_the_allow_list_at_its_line(project, code, claim, detail):
+    decls, registry, plans = project
+    path = f"{KIMI}/generic/modeling.py"
+    text = render_generic(decls[KIMI], plans[KIMI][0], registry, "cmd")
+    bad = text + f"\n\nPAYLOAD = {code}\n"
+    assert refusal(path, bad, GENERIC_CLAIMS) == (
+        f"{path}:{line_of(bad, 'PAYLOAD = ')}: claim '{claim}' does not hold: {detail} (RULES GN4)"
+    )
+
+
+def test_exec_smuggled_out_of_a_docstring_fails_the_allow_list(project):
+    # A value that ended the module docstring would run as module code: that code names exec.
+    path, text, claims = rendered(project)
+    first = text.index('"""') + 3
+    bad = text[:first] + 'x"""\nexec("import os")\n"""' + text[first:]
+    assert refusal(path, bad, claims) == (
+        f"{path}:{line_of(bad, 'exec(')}: claim '{ALLOW}' does not hold: it calls exec() (RULES GN4)"
+    )
+
+
+def test_a_constants_only_module_may_import_call_and_read_nothing(project):
+    decls, registry, plans = project
+    from codegen.outputs import model_outputs
+
+    facts = next(o for o in model_outputs(decls[KIMI], plans[KIMI][0], registry) if o.path.endswith("facts.py"))
+    verify_python(facts.path, facts.content, facts.claims)
+    assert facts.claims == DATA_CLAIMS
+    bad = facts.content + "\nimport os\n"
+    assert refusal(facts.path, bad, DATA_CLAIMS) == (
+        f"{facts.path}:{line_of(bad, 'import os')}: claim 'imports only what its kind may' does not hold: it imports os (RULES GN4)"
+    )
+    bad = facts.content + "\nX = print('pwned')\n"
+    assert refusal(facts.path, bad, DATA_CLAIMS) == (
+        f"{facts.path}:{line_of(bad, 'X = ')}: claim '{ALLOW}' does not hold: it calls print() (RULES GN4)"
+    )
+    bad = facts.content + "\nX = CONFIG.copy()\n"
+    assert refusal(facts.path, bad, DATA_CLAIMS) == (
+        f"{facts.path}:{line_of(bad, 'X = ')}: claim '{API}' does not hold: it reads the attribute .copy (RULES GN4)"
+    )
+
+
+def test_names_a_module_binds_itself_pass_and_a_shadowed_builtin_is_still_refused_where_it_is_not_bound(project):
+    path, text, claims = rendered(project)
+    verify_python(path, text + "\n\ndef helper(a, *rest, key=None):\n    (b, c) = a\n    return [d for d in rest if d is key], b, c\n", claims)
+    assert refusal(path, text + "\n\ndef helper():\n    return compile('1', 'f', 'eval')\n", claims).endswith(
+        f"claim '{ALLOW}' does not hold: it calls compile() (RULES GN4)"
     )

@@ -102,6 +102,159 @@ def test_a_config_lacking_a_key_its_family_needs_is_reported_at_the_config_table
     )
 
 
+# --- [config] is typed and range-checked where it loads (RULES GN4) -------------------------------------
+
+# A config value that is code: were it pasted into a docstring, importing the build would run it.
+INJECTED = '"4 \\"\\"\\"\\nimport os; os.system(\'touch pwned\')\\n\\"\\"\\""'
+
+
+def config_error(tmp_path, extra: str, replace: str | None = None) -> str:
+    """The error of GOOD with `extra` lines added to [config] (line 13 is the first added line)."""
+    text = GOOD.replace(replace, "") if replace else GOOD
+    return load_error(tmp_path, text.replace("num_experts_per_tok = 2\n", "num_experts_per_tok = 2\n" + extra, 1))
+
+
+def test_a_string_where_a_number_belongs_is_refused_at_its_line_showing_the_value_on_one_line(tmp_path):
+    assert config_error(tmp_path, f"num_attention_heads = {INJECTED}\n") == (
+        "FILE:13: config.num_attention_heads: Input should be a valid integer, not a string "
+        "'4 \"\"\"\\nimport os; os.system(\\'touch ..."
+    )
+
+
+@pytest.mark.parametrize("line, error", [
+    ("hidden_size = 64.0", "FILE:8: config.hidden_size: Input should be a valid integer, not a number 64.0"),
+    ("hidden_size = true", "FILE:8: config.hidden_size: Input should be a valid integer, not a boolean True"),
+    ("hidden_size = 0", "FILE:8: config.hidden_size: Input should be greater than or equal to 1"),
+    ("hidden_size = -64", "FILE:8: config.hidden_size: Input should be greater than or equal to 1"),
+    ("hidden_size = 99999999999999", "FILE:8: config.hidden_size: Input should be less than or equal to 2147483647"),
+    ("hidden_size = [64]", "FILE:8: config.hidden_size: Input should be a valid integer, not a list"),
+    ("hidden_size = { a = 1 }", "FILE:8: config.hidden_size: Input should be a valid integer, not a table"),
+])
+def test_an_integer_key_takes_a_positive_int_and_nothing_else(tmp_path, line, error):
+    assert load_error(tmp_path, GOOD.replace("hidden_size = 64", line)) == error
+
+
+def test_a_model_of_absurdly_many_layers_is_refused_before_anything_is_planned(tmp_path):
+    assert load_error(tmp_path, GOOD.replace("num_hidden_layers = 2", "num_hidden_layers = 100000000")) == (
+        "FILE:10: config.num_hidden_layers: Input should be less than or equal to 1024"
+    )
+
+
+@pytest.mark.parametrize("extra, error", [
+    ("rms_norm_eps = nan", "FILE:13: config.rms_norm_eps: Input should be a finite number"),
+    ("rms_norm_eps = 0.0", "FILE:13: config.rms_norm_eps: Input should be greater than 0"),
+    ("rope_theta = -inf", "FILE:13: config.rope_theta: Input should be a finite number"),
+    ("rope_theta = \"1e6\"", "FILE:13: config.rope_theta: Input should be a valid number, not a string '1e6'"),
+    ("sliding_window = 0", "FILE:13: config.sliding_window: Input should be greater than or equal to 1"),
+    ("head_dim = 15", "FILE:13: config.head_dim: head_dim 15 must be even: rotary embedding turns pairs of dimensions"),
+    ("hidden_act = \"gelu\"", "FILE:13: config.hidden_act: Input should be 'silu', not a string 'gelu'"),
+    ("tie_word_embeddings = true", "FILE:13: config.tie_word_embeddings: Input should be False, not a boolean True"),
+    ("architectures = [\"Mixtral; import os\"]",
+     "FILE:13: config.architectures[0]: String should match pattern '^[A-Za-z_][A-Za-z0-9_]*$', not a string 'Mixtral; import os'"),
+    ("rope_scaling = { type = \"dynamic\", factor = 2.0 }",
+     "FILE:13: config.rope_scaling.type: Input should be 'default', 'yarn' or 'llama3', not a string 'dynamic'"),
+    ("rope_scaling = { type = \"yarn\", factor = 4.0 }",
+     "FILE:13: config.rope_scaling: rope type 'yarn' needs original_max_position_embeddings; add it"),
+    ("rope_scaling = { type = \"yarn\", factor = 4.0, original_max_position_embeddings = 64, betafast = 1.0 }",
+     "FILE:13: config.rope_scaling.betafast: Extra inputs are not permitted; remove it or fix its spelling"),
+])
+def test_floats_are_finite_and_in_range_and_names_are_ones_the_runtime_builds(tmp_path, extra, error):
+    assert config_error(tmp_path, extra + "\n") == error
+
+
+def test_top_k_cannot_exceed_the_experts(tmp_path):
+    assert load_error(tmp_path, GOOD.replace("num_experts_per_tok = 2", "num_experts_per_tok = 5")) == (
+        "FILE:12: config.num_experts_per_tok: num_experts_per_tok 5 exceeds the 4 routed experts; a token picks at most every expert"
+    )
+
+
+def test_key_value_heads_must_divide_the_attention_heads(tmp_path):
+    assert config_error(tmp_path, "num_attention_heads = 4\nnum_key_value_heads = 3\n") == (
+        "FILE:14: config.num_key_value_heads: num_key_value_heads 3 must divide num_attention_heads 4"
+    )
+
+
+QWEN = """\
+[model]
+name = "mymodel"
+family = "qwen3_moe"
+doc = "A user's own model."
+
+[config]
+vocab_size = 512
+hidden_size = 64
+num_hidden_layers = 2
+num_experts = 4
+num_experts_per_tok = 2
+moe_intermediate_size = 32
+
+[[checkpoints]]
+name = "mymodel_bf16"
+"""
+
+
+def test_layer_index_lists_must_name_layers_the_model_has(tmp_path):
+    text = QWEN.replace("moe_intermediate_size = 32\n", "moe_intermediate_size = 32\nmlp_only_layers = [1, 2]\n")
+    assert load_error(tmp_path, text) == (
+        "FILE:13: config.mlp_only_layers: mlp_only_layers must list distinct layer indices below num_hidden_layers 2; got [1, 2]"
+    )
+    text = QWEN.replace("moe_intermediate_size = 32\n", "moe_intermediate_size = 32\nmlp_only_layers = [0, 0]\n")
+    assert load_error(tmp_path, text).startswith("FILE:13: config.mlp_only_layers: mlp_only_layers must list distinct")
+
+
+def test_per_layer_lists_and_patterns_have_one_entry_of_the_right_alphabet_per_layer(tmp_path):
+    gpt = GOOD.replace('family = "mixtral"', 'family = "gpt_oss"')
+    assert load_error(tmp_path, gpt.replace("num_experts_per_tok = 2\n", 'num_experts_per_tok = 2\nlayer_types = ["full_attention"]\n')) == (
+        "FILE:13: config.layer_types: layer_types has 1 entries; it needs one per layer (num_hidden_layers 2)"
+    )
+    assert load_error(tmp_path, gpt.replace("num_experts_per_tok = 2\n", 'num_experts_per_tok = 2\nlayer_types = ["full", "full"]\n')) == (
+        "FILE:13: config.layer_types[0]: Input should be 'sliding_attention' or 'full_attention', not a string 'full'"
+    )
+    nemotron = QWEN.replace('"qwen3_moe"', '"nemotron_h"').replace("num_experts = 4", "n_routed_experts = 4")
+    assert load_error(tmp_path, nemotron) == (
+        "FILE:6: config: [config] lacks hybrid_override_pattern, which family nemotron_h needs; add it"
+    )
+    bad = nemotron.replace("moe_intermediate_size = 32\n", 'moe_intermediate_size = 32\nhybrid_override_pattern = "EX"\n')
+    assert load_error(tmp_path, bad) == (
+        "FILE:13: config.hybrid_override_pattern: String should match pattern '^[M*E-]+$', not a string 'EX'"
+    )
+    short = nemotron.replace("moe_intermediate_size = 32\n", 'moe_intermediate_size = 32\nhybrid_override_pattern = "E"\n')
+    assert load_error(tmp_path, short) == (
+        "FILE:13: config.hybrid_override_pattern: hybrid_override_pattern has 1 entries; it needs one per layer (num_hidden_layers 2)"
+    )
+
+
+def test_deepseek_group_routing_must_be_able_to_pick_top_k(tmp_path):
+    ds = QWEN.replace('"qwen3_moe"', '"deepseek_v3"').replace("num_experts = 4", "n_routed_experts = 8\nfirst_k_dense_replace = 0")
+    assert load_error(tmp_path, ds.replace("num_experts_per_tok = 2\n", "num_experts_per_tok = 2\nn_group = 3\n")) == (
+        "FILE:13: config.n_group: n_group 3 must divide n_routed_experts 8"
+    )
+    assert load_error(tmp_path, ds.replace("num_experts_per_tok = 2\n", "num_experts_per_tok = 2\nn_group = 2\ntopk_group = 3\n")) == (
+        "FILE:14: config.topk_group: topk_group 3 exceeds n_group 2"
+    )
+    assert load_error(tmp_path, ds.replace("num_experts_per_tok = 2\n", "num_experts_per_tok = 6\nn_group = 4\ntopk_group = 2\n")) == (
+        "FILE:12: config.num_experts_per_tok: num_experts_per_tok 6 exceeds the 4 experts of the topk_group 2 groups a token may pick from"
+    )
+    assert load_error(tmp_path, ds.replace("first_k_dense_replace = 0", "first_k_dense_replace = 3")) == (
+        "FILE:11: config.first_k_dense_replace: first_k_dense_replace 3 exceeds num_hidden_layers 2"
+    )
+
+
+def test_keys_the_family_does_not_read_are_accepted_and_dropped(tmp_path):
+    # HF configs carry many keys (initializer_range, bos_token_id...): accepted, never passed on.
+    path = write(tmp_path / "mymodel.toml", GOOD.replace("num_experts_per_tok = 2\n", f"num_experts_per_tok = 2\nbos_token_id = {INJECTED}\nrouter = {{ x = [1, {{ y = 2 }}] }}\n"))
+    decl = load_declaration(path)
+    assert decl.config == {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                           "num_local_experts": 4, "num_experts_per_tok": 2}
+
+
+def test_a_drafter_config_is_typed_by_the_drafters_family(tmp_path):
+    bad = EXTERNAL.replace("num_experts_per_tok = 2 }", "num_experts_per_tok = 2, moe_intermediate_size = 32, n_routed_experts = 8, first_k_dense_replace = \"1\" }")
+    assert load_error(tmp_path, GOOD.replace("[[targets]]", bad)) == (
+        "FILE:22: drafts[0].config.first_k_dense_replace: Input should be a valid integer, not a string '1'"
+    )
+
+
 def test_a_checkpoint_declared_twice_is_reported_at_the_second(tmp_path):
     # RULES TG1
     text = GOOD.replace("[[targets]]", '[[checkpoints]]\nname = "mymodel_bf16"\n\n[[targets]]')
@@ -277,3 +430,9 @@ def test_an_unknown_default_routed_format_is_refused_at_its_line(tmp_path):
         "FILE:15: policies.default_routed_format: unknown expert format 'MXFP5'; known: FP8_BLOCK_SCALES, NVFP4, "
         "W4A16_NVFP4, MXFP4, W4A16_MXFP4"
     )
+
+
+def test_a_misspelt_key_holding_a_line_break_is_named_quoted_on_one_line(tmp_path):
+    # (Found by tests/codegen/test_declaration_property.py: the key was echoed with its line break.)
+    error = config_error(tmp_path, 'rope_scaling = { "x\\n\\"\\"\\"" = 0 }\n')
+    assert error == "FILE:13: config.rope_scaling.'x\\n\"\"\"': Extra inputs are not permitted; remove it or fix its spelling"
