@@ -13,6 +13,7 @@ from runtime.experts.base import MoeLayerSpec
 from runtime.experts.vanilla import (TorchEagerBf16Experts, TorchEagerFp8BlockScalesExperts,
                                      TorchEagerNvfp4Experts, TorchEagerW4a16Mxfp4Experts,
                                      TorchEagerW4a16Nvfp4Experts)
+from runtime.experts.torch_grouped import TorchGroupedMmBf16Experts
 from tests.runtime import fixtures_checkpoints as fc
 
 E, H, I = fc.EXPERTS, fc.HIDDEN, fc.MOE_INTER
@@ -275,8 +276,8 @@ BAD_INPUTS = {
               "model.layers.1.mlp.gate.weight: expected dtype float32, found int32"),
     "expert_shape": (lambda t: {**t, f"{PREFIX}.3.up_proj.weight": torch.zeros(SMALL_I, 16, dtype=torch.bfloat16)},
                      f"{PREFIX}.3.up_proj.weight: expected shape (8, 32) bfloat16, found (8, 16) bfloat16"),
-    "expert_dtype": (lambda t: {**t, f"{PREFIX}.0.down_proj.weight": torch.zeros(SMALL_H, SMALL_I)},
-                     f"{PREFIX}.0.down_proj.weight: expected shape (32, 8) bfloat16, found (32, 8) float32"),
+    "expert_dtype": (lambda t: {**t, f"{PREFIX}.0.down_proj.weight": torch.zeros(SMALL_H, SMALL_I, dtype=torch.int16)},
+                     f"{PREFIX}.0.down_proj.weight: expected shape (32, 8) bfloat16, found (32, 8) int16"),
     "expert_missing": (lambda t: {k: v for k, v in t.items() if k != f"{PREFIX}.1.gate_proj.weight"},
                        f"{PREFIX}.1.gate_proj.weight: missing from the checkpoint (expected shape (8, 32) bfloat16)"),
 }
@@ -292,6 +293,29 @@ def test_a_router_stored_in_bf16_loads_into_an_fp32_parameter_by_value(tmp_path)
     load_checkpoint(build, _write(tmp_path, tensors))
     loaded = dict(build.named_parameters())["model.layers.1.mlp.gate.weight"]
     assert loaded.dtype == torch.float32 and torch.equal(loaded, stored.float())
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.float16])
+def test_unquantized_expert_weights_of_any_float_dtype_load_into_the_dtype_the_experts_keep(tmp_path, stored):
+    # transformers saves fp32 by default. VANILLA computes in fp32, so in an fp32 build it keeps the
+    # values exactly; in a bf16 build, and TORCH always (bf16 GEMM operands), they are rounded once to bf16.
+    tensors = _small_tensors()
+    gen = torch.Generator().manual_seed(3)
+    for e in range(E):
+        for proj, shape in (("gate", (SMALL_I, SMALL_H)), ("up", (SMALL_I, SMALL_H)), ("down", (SMALL_H, SMALL_I))):
+            tensors[f"{PREFIX}.{e}.{proj}_proj.weight"] = torch.randn(*shape, generator=gen).to(stored)
+    path = _write(tmp_path, tensors)
+    spec = MoeLayerSpec(hidden_size=SMALL_H, intermediate_size=SMALL_I, num_experts=E, top_k=2, activation="silu_glu")
+    want = torch.stack([tensors[f"{PREFIX}.{e}.down_proj.weight"] for e in range(E)])
+    for cls, dtype, kept in ((TorchEagerBf16Experts, torch.float32, torch.float32),
+                             (TorchEagerBf16Experts, torch.bfloat16, torch.bfloat16),
+                             (TorchGroupedMmBf16Experts, torch.float32, torch.bfloat16)):
+        experts = cls(spec, dtype=dtype)
+        params = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items() if not n.startswith(PREFIX)}
+        load_checkpoint(fc.mirror(params, {PREFIX: experts}, fill=0.5), path)
+        loaded = experts.down_weight if cls is TorchEagerBf16Experts else experts.w2
+        assert loaded.dtype == kept, cls
+        assert torch.equal(loaded, want.to(kept)), cls
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
