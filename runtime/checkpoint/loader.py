@@ -1,7 +1,8 @@
 """Loads a checkpoint into a build: every parameter and experts module is checked against the headers first, then filled one tensor at a time.
 
 Validation covers the whole checkpoint before the first copy (missing, unexpected, wrong shape or
-dtype, for plain parameters and for every expert tensor of every MoE layer), so a checkpoint that
+dtype, for plain parameters and for every expert tensor of every MoE layer; then NaN or infinite
+values among the quantization scales this rank will use), so a checkpoint that
 does not fit leaves the build exactly as it was, and the error lists every problem at once. Reading
 then goes tensor by tensor (and shard by shard: a parameter with `shard = (dim, rank, size)` reads only
 its chunk), so host memory peaks near the largest tensor, not the checkpoint.
@@ -21,7 +22,7 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
-from runtime.checkpoint import quantized_weights
+from runtime.checkpoint import quantized_weights, scales
 from runtime.checkpoint.errors import CheckpointError
 from runtime.checkpoint.experts_sources import experts_source
 from runtime.checkpoint.reader import CheckpointReader
@@ -131,6 +132,10 @@ def _load(model, reader, experts, ignore, progress, device) -> LoadReport:
             ignored.append(name)
         else:
             problems.append(f"unexpected tensor {name}: no parameter of this build reads it")
+    if problems:
+        raise CheckpointError(problems)
+    # Scale values, only once the headers fit (a checkpoint of the wrong layout is not read at all).
+    problems = _scale_problems(reader, targets, sources, experts)
     if problems:
         raise CheckpointError(problems)
 
@@ -294,6 +299,28 @@ def _check_experts(source, module) -> tuple[list[str], set[str]]:
             if source.shape(e, proj, kind) is not None:
                 claimed.add(source.stored_name(e, proj, kind))
     return problems, claimed
+
+
+def _scale_problems(reader, targets, sources, experts) -> list[str]:
+    """NaN or infinite scales among those this load will use: every quantized plain weight's, and
+    each experts module's own experts' (the slices it will read, under the names it reports)."""
+    problems = []
+    for t in targets:
+        if t.quant is not None:
+            for name in [*t.quant.scales.values(), *t.quant.extra]:
+                problems += scales.nonfinite(name, reader.read(name), e8m0=t.quant.scheme == "mxfp4")
+    for prefix, source in sources.items():
+        module = experts[prefix]
+        fmt = getattr(module, "FORMAT", None)
+        if fmt not in WEIGHT_FAMILY or not hasattr(module, "tensors") or not hasattr(module, "expert_ids"):
+            continue
+        e8m0 = WEIGHT_FAMILY[fmt] == "mxfp4"
+        for expert in module.expert_ids:
+            for t in module.tensors:
+                if t.kind in scales.SCALE_KINDS:
+                    value = source.get(expert, t.proj, t.kind, rows=t.rows, cols=t.cols)
+                    problems += scales.nonfinite(source.name(expert, t.proj, t.kind), value, e8m0)
+    return problems
 
 
 def _experts_bytes(reader: CheckpointReader, source, module) -> int:

@@ -1,5 +1,6 @@
 """Loading a checkpoint into a build: every family and format lands where transformers and the float64 oracles say, and every bad input stops the load with a precise message before anything changes."""
 import json
+import math
 
 import pytest
 import torch
@@ -509,3 +510,106 @@ def test_other_quantized_linear_schemes_dequantize_to_their_float64_values(tmp_p
         assert report.dequantized == [name]
         want = oracle[rows]
         assert (o.weight.double() - want).abs().le(want.abs() * 2.0 ** -8).all(), (scheme, shard)
+
+
+# -- NaN and infinite scales ----------------------------------------------------------------------------
+
+def _corrupted(saved, tmp_path, changes: dict[str, tuple[tuple[int, ...], float | int]]):
+    """A copy of `saved`'s folder with single scale elements overwritten: name -> (index, value)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved.path, path)
+    with CheckpointReader(path) as r:
+        files = {name: r.info(name).file for name in changes}
+    for file in sorted(set(files.values())):
+        tensors = load_file(str(path / file))
+        for name, (index, value) in changes.items():
+            if files[name] == file:
+                t = tensors[name]
+                if t.dtype == torch.float8_e4m3fn:   # e4m3 has no infinity; its NaN is the byte 0x7f
+                    t.view(torch.uint8)[index] = 0x7F
+                else:
+                    t[index] = value
+        save_file(tensors, str(path / file), metadata={"format": "pt"})
+    return path
+
+
+def _scale_message(name, count, numel, what, first):
+    return (f"{name}: {count} of {numel} {what}, the first at index {first}; "
+            f"the checkpoint is corrupt: download or quantize it again")
+
+
+NAN = "scale values are NaN or infinite"
+
+
+def test_nan_and_infinite_fp8_block_scales_are_refused_naming_each_tensor(tmp_path):
+    saved = fc.deepseek_fp8()
+    prefix = fc.experts_prefix("deepseek_v3", 1)
+    path = _corrupted(saved, tmp_path, {
+        f"{prefix}.2.up_proj.weight_scale_inv": ((1, 0), float("nan")),
+        "model.layers.1.self_attn.o_proj.weight_scale_inv": ((1, 0), float("inf")),
+    })
+    non_expert = {n: w for n, w in saved.originals.items() if not n.startswith(prefix + ".")}
+    experts = {prefix: TorchEagerFp8BlockScalesExperts(_spec("deepseek_v3", fc.FP8_HIDDEN, fc.FP8_MOE_INTER))}
+    with CheckpointReader(path) as r:
+        build = _build(r, experts, non_expert)
+    before = _snapshot(build)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(build, path)
+    assert e.value.problems == [
+        _scale_message("model.layers.1.self_attn.o_proj.weight_scale_inv", 1, 2, NAN, (1, 0)),
+        _scale_message(f"{prefix}.2.up_proj.weight_scale_inv", 1, 4, NAN, (1, 0)),
+    ]
+    _assert_unchanged(build, before)
+
+
+@pytest.mark.parametrize("kind, index, value", [("weight_scale", (5, 1), None), ("weight_scale_2", (), float("inf")),
+                                                ("input_scale", (), float("nan"))])
+def test_nan_and_infinite_nvfp4_scales_are_refused_naming_the_tensor(tmp_path, kind, index, value):
+    saved = fc.qwen3_moe_nvfp4()
+    name = f"{fc.experts_prefix('qwen3_moe', 1)}.2.up_proj.{kind}"
+    path = _corrupted(saved, tmp_path, {name: (index, value)})
+    experts = {fc.experts_prefix("qwen3_moe", layer): TorchEagerNvfp4Experts(_spec("qwen3_moe"))
+               for layer in fc.moe_layers("qwen3_moe")}
+    non_expert = {n: w for n, w in saved.originals.items() if ".experts." not in n}
+    with CheckpointReader(path) as r:
+        build = _build(r, experts, non_expert)
+        numel = math.prod(r.info(name).shape)
+    before = _snapshot(build)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(build, path)
+    assert str(e.value) == _scale_message(name, 1, numel, NAN, index)
+    _assert_unchanged(build, before)
+
+
+def test_a_nan_nvfp4_scale_of_a_non_expert_linear_is_refused(tmp_path):
+    saved = fc.qwen3_moe_nvfp4()
+    name = "model.layers.1.self_attn.k_proj.weight_scale_2"
+    path = _corrupted(saved, tmp_path, {name: ((), float("nan"))})
+    experts = {fc.experts_prefix("qwen3_moe", layer): TorchEagerW4a16Nvfp4Experts(_spec("qwen3_moe"))
+               for layer in fc.moe_layers("qwen3_moe")}
+    with CheckpointReader(path) as r:
+        build = _build(r, experts, {n: w for n, w in saved.originals.items() if ".experts." not in n})
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(build, path)
+    assert str(e.value) == _scale_message(name, 1, 1, NAN, ())
+
+
+def test_an_e8m0_nan_in_a_gpt_oss_mxfp4_scale_is_refused_naming_the_expert_and_rows(tmp_path):
+    # Fused row 6 of expert 1 is gate row 3 (gate/up rows interleave); E8M0 byte 255 is NaN.
+    saved = fc.gpt_oss_mxfp4()
+    prefix = fc.experts_prefix("gpt_oss", 1)
+    path = _corrupted(saved, tmp_path, {f"{prefix}.gate_up_proj_scales": ((1, 6, 1), 255)})
+    experts = {fc.experts_prefix("gpt_oss", layer): TorchEagerW4a16Mxfp4Experts(_spec("gpt_oss"))
+               for layer in fc.moe_layers("gpt_oss")}
+    with CheckpointReader(path) as r:
+        build = _build(r, experts)
+    before = _snapshot(build)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(build, path)
+    assert str(e.value) == _scale_message(f"{prefix}.gate_up_proj_scales[1, 0::2]", 1, I * H // 32,
+                                          "E8M0 scales are 255 (NaN)", (3, 1))
+    _assert_unchanged(build, before)
