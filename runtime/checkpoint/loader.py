@@ -1,11 +1,12 @@
 """Loads a checkpoint into a build: every parameter and experts module is checked against the headers first, then filled one tensor at a time.
 
 Validation covers the whole checkpoint before the first copy (missing, unexpected, wrong shape or
-dtype, for plain parameters and for every expert tensor of every MoE layer; then NaN or infinite
-values among the quantization scales this rank will use), so a checkpoint that
+dtype, for plain parameters and for every expert tensor of every MoE layer), so a checkpoint that
 does not fit leaves the build exactly as it was, and the error lists every problem at once. Reading
 then goes tensor by tensor (and shard by shard: a parameter with `shard = (dim, rank, size)` reads only
-its chunk), so host memory peaks near the largest tensor, not the checkpoint.
+its chunk), so host memory peaks near the largest tensor, not the checkpoint. Scale values are
+checked as they are read (runtime/checkpoint/scales.py): a NaN or infinite scale stops the load there,
+naming the tensor, with the build partly filled (no byte is read twice, none held twice).
 
 Names: a build's parameter and buffer names are checkpoint names (docs/runtime.md, "Model ops"); an
 experts module's qualified name is the prefix of its layer's expert tensors. Tied parameters (one
@@ -134,11 +135,6 @@ def _load(model, reader, experts, ignore, progress, device) -> LoadReport:
             problems.append(f"unexpected tensor {name}: no parameter of this build reads it")
     if problems:
         raise CheckpointError(problems)
-    # Scale values, only once the headers fit (a checkpoint of the wrong layout is not read at all).
-    problems = _scale_problems(reader, targets, sources, experts)
-    if problems:
-        raise CheckpointError(problems)
-
     # Everything fits: now read, in file order so consecutive reads stay within one shard.
     report = LoadReport(experts_layers=sorted(sources), ignored=ignored)
     total = sum(t.nbytes for t in targets) + sum(
@@ -156,7 +152,8 @@ def _load(model, reader, experts, ignore, progress, device) -> LoadReport:
             if isinstance(module, nn.Module) and any(b.is_meta for b in module.buffers()):
                 # Experts of a build constructed on the meta device get storage where the rest goes.
                 module.to_empty(device=device)
-            counting = _CountingSource(source, bar)
+            fmt = getattr(module, "FORMAT", None)
+            counting = _CountingSource(source, bar, e8m0=WEIGHT_FAMILY.get(fmt) == "mxfp4")
             module.load_weights(counting)
             report.tensors += counting.tensors
             report.bytes += counting.bytes
@@ -301,28 +298,6 @@ def _check_experts(source, module) -> tuple[list[str], set[str]]:
     return problems, claimed
 
 
-def _scale_problems(reader, targets, sources, experts) -> list[str]:
-    """NaN or infinite scales among those this load will use: every quantized plain weight's, and
-    each experts module's own experts' (the slices it will read, under the names it reports)."""
-    problems = []
-    for t in targets:
-        if t.quant is not None:
-            for name in [*t.quant.scales.values(), *t.quant.extra]:
-                problems += scales.nonfinite(name, reader.read(name), e8m0=t.quant.scheme == "mxfp4")
-    for prefix, source in sources.items():
-        module = experts[prefix]
-        fmt = getattr(module, "FORMAT", None)
-        if fmt not in WEIGHT_FAMILY or not hasattr(module, "tensors") or not hasattr(module, "expert_ids"):
-            continue
-        e8m0 = WEIGHT_FAMILY[fmt] == "mxfp4"
-        for expert in module.expert_ids:
-            for t in module.tensors:
-                if t.kind in scales.SCALE_KINDS:
-                    value = source.get(expert, t.proj, t.kind, rows=t.rows, cols=t.cols)
-                    problems += scales.nonfinite(source.name(expert, t.proj, t.kind), value, e8m0)
-    return problems
-
-
 def _experts_bytes(reader: CheckpointReader, source, module) -> int:
     """About what one experts module will read, for the progress bar's total: its layer's tensors
     divided among the ranks that share them (experts by EP, the intermediate dim by MoE TP)."""
@@ -332,10 +307,11 @@ def _experts_bytes(reader: CheckpointReader, source, module) -> int:
 
 
 class _CountingSource:
-    """An ExpertTensorSource that passes every call through and advances the progress bar."""
+    """An ExpertTensorSource that passes every call through, advances the progress bar and refuses
+    NaN or infinite scales (E8M0 bytes when `e8m0`)."""
 
-    def __init__(self, source, bar):
-        self._source, self._bar = source, bar
+    def __init__(self, source, bar, e8m0: bool = False):
+        self._source, self._bar, self._e8m0 = source, bar, e8m0
         self.tensors = 0
         self.bytes = 0
 
@@ -350,6 +326,10 @@ class _CountingSource:
 
     def get(self, expert, proj, kind, rows=None, cols=None):
         value = self._source.get(expert, proj, kind, rows=rows, cols=cols)
+        if kind in scales.SCALE_KINDS:
+            problem = scales.nonfinite(self._source.name(expert, proj, kind), value, self._e8m0)
+            if problem:
+                raise CheckpointError(problem)
         n = value.numel() * value.element_size()
         self.tensors += 1
         self.bytes += n

@@ -1,8 +1,8 @@
-"""Quantization scales whose values are NaN or infinite, found before a load copies anything.
+"""Quantization scales whose values are NaN or infinite, refused as the loader reads them.
 
-A NaN scale turns every weight of its block into NaN, which surfaces far away as NaN logits; a header
-check cannot see it, so the loader reads each scale this rank will use (scales are small next to the
-weights they scale: 1/16384 of an FP8-block weight, 1/16 to 1/8 of a packed FP4 one) and asks here.
+A NaN scale turns every weight of its block into NaN, which surfaces far away as NaN logits; no
+header check can see it. The loader asks here about each scale it reads, so the check costs no extra
+read: an FP8 block scale is 1/16384 of its weight, an FP4 one 1/16 to 1/8.
 """
 from __future__ import annotations
 
@@ -14,18 +14,14 @@ SCALE_KINDS = ("weight_scale_inv", "weight_scale", "weight_scale_2", "input_scal
 E8M0_NAN = 255
 
 
-def nonfinite(name: str, value: torch.Tensor, e8m0: bool = False) -> list[str]:
-    """One message naming `name` when `value` (a scale tensor, E8M0 bytes if `e8m0`) holds NaN or
-    infinity, else none."""
+def nonfinite(name: str, value: torch.Tensor, e8m0: bool = False) -> str | None:
+    """Why scale tensor `name` (`value`: what was read of it; E8M0 bytes if `e8m0`) is unusable, or None."""
     if e8m0 and value.dtype == torch.uint8:
-        bad, what = value == E8M0_NAN, "E8M0 scales are 255 (NaN)"
+        count, what = int((value == E8M0_NAN).sum()), "E8M0 scale bytes are 255 (NaN)"
     elif value.is_floating_point():
-        bad, what = ~torch.isfinite(value.float()), "scale values are NaN or infinite"
+        count, what = int((~torch.isfinite(value.float())).sum()), "scale values are NaN or infinite"
     else:
-        return []
-    count = int(bad.sum())
+        return None
     if not count:
-        return []
-    first = tuple(torch.nonzero(bad)[0].tolist()) if bad.dim() else ()
-    return [f"{name}: {count} of {bad.numel()} {what}, the first at index {first}; "
-            f"the checkpoint is corrupt: download or quantize it again"]
+        return None
+    return f"{name}: {count} of the {value.numel()} {what}; the checkpoint is corrupt: download or quantize it again"
