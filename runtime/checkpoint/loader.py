@@ -4,7 +4,9 @@ Validation covers the whole checkpoint before the first copy (missing, unexpecte
 dtype, for plain parameters and for every expert tensor of every MoE layer), so a checkpoint that
 does not fit leaves the build exactly as it was, and the error lists every problem at once. Reading
 then goes tensor by tensor (and shard by shard: a parameter with `shard = (dim, rank, size)` reads only
-its chunk), so host memory peaks near the largest tensor, not the checkpoint.
+its chunk), so host memory peaks near the largest tensor, not the checkpoint. Scale values are
+checked as they are read (runtime/checkpoint/scales.py): a NaN or infinite scale stops the load there,
+naming the tensor, with the build partly filled (no byte is read twice, none held twice).
 
 Names: a build's parameter and buffer names are checkpoint names (docs/runtime.md, "Model ops"); an
 experts module's qualified name is the prefix of its layer's expert tensors. Tied parameters (one
@@ -21,7 +23,7 @@ from typing import Iterable, Mapping
 import torch
 from torch import nn
 
-from runtime.checkpoint import quantized_weights
+from runtime.checkpoint import quantized_weights, scales
 from runtime.checkpoint.errors import CheckpointError
 from runtime.checkpoint.experts_sources import experts_source
 from runtime.checkpoint.reader import CheckpointReader
@@ -133,7 +135,6 @@ def _load(model, reader, experts, ignore, progress, device) -> LoadReport:
             problems.append(f"unexpected tensor {name}: no parameter of this build reads it")
     if problems:
         raise CheckpointError(problems)
-
     # Everything fits: now read, in file order so consecutive reads stay within one shard.
     report = LoadReport(experts_layers=sorted(sources), ignored=ignored)
     total = sum(t.nbytes for t in targets) + sum(
@@ -151,7 +152,8 @@ def _load(model, reader, experts, ignore, progress, device) -> LoadReport:
             if isinstance(module, nn.Module) and any(b.is_meta for b in module.buffers()):
                 # Experts of a build constructed on the meta device get storage where the rest goes.
                 module.to_empty(device=device)
-            counting = _CountingSource(source, bar)
+            fmt = getattr(module, "FORMAT", None)
+            counting = _CountingSource(source, bar, e8m0=WEIGHT_FAMILY.get(fmt) == "mxfp4")
             module.load_weights(counting)
             report.tensors += counting.tensors
             report.bytes += counting.bytes
@@ -305,10 +307,11 @@ def _experts_bytes(reader: CheckpointReader, source, module) -> int:
 
 
 class _CountingSource:
-    """An ExpertTensorSource that passes every call through and advances the progress bar."""
+    """An ExpertTensorSource that passes every call through, advances the progress bar and refuses
+    NaN or infinite scales (E8M0 bytes when `e8m0`)."""
 
-    def __init__(self, source, bar):
-        self._source, self._bar = source, bar
+    def __init__(self, source, bar, e8m0: bool = False):
+        self._source, self._bar, self._e8m0 = source, bar, e8m0
         self.tensors = 0
         self.bytes = 0
 
@@ -323,6 +326,10 @@ class _CountingSource:
 
     def get(self, expert, proj, kind, rows=None, cols=None):
         value = self._source.get(expert, proj, kind, rows=rows, cols=cols)
+        if kind in scales.SCALE_KINDS:
+            problem = scales.nonfinite(self._source.name(expert, proj, kind), value, self._e8m0)
+            if problem:
+                raise CheckpointError(problem)
         n = value.numel() * value.element_size()
         self.tensors += 1
         self.bytes += n

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.checkpoint import scales
+from runtime.checkpoint.errors import CheckpointError
 from runtime.checkpoint.reader import CheckpointReader
 from runtime.formats import fp8, mxfp4, nvfp4
 
@@ -108,6 +110,15 @@ def shard_problem(q: QuantizedWeight, shape: tuple[int, ...], dim: int, start: i
     return None
 
 
+def _scale(reader: CheckpointReader, q: QuantizedWeight, kind: str, index=None) -> torch.Tensor:
+    """Scale tensor `kind` of `q` (or `index` of it), refused if it holds NaN or infinity."""
+    value = reader.read(q.scales[kind], index)
+    problem = scales.nonfinite(q.scales[kind], value, e8m0=q.scheme == "mxfp4")
+    if problem:
+        raise CheckpointError(problem)
+    return value
+
+
 def read(reader: CheckpointReader, q: QuantizedWeight, shape: tuple[int, ...], dtype: torch.dtype,
          shard: tuple[int, int, int] | None) -> torch.Tensor:
     """Values of the parameter (or of its shard [start, stop) along dim: `shard` = (dim, start, stop))."""
@@ -118,9 +129,9 @@ def read(reader: CheckpointReader, q: QuantizedWeight, shape: tuple[int, ...], d
     rows, (col0, col1) = (slice(start, stop), (0, shape[1])) if dim == 0 else (slice(None), (start, stop))
     group = nvfp4.NVFP4_BLOCK if q.scheme == "nvfp4" else mxfp4.MX_BLOCK
     packed = reader.read(q.weight, (rows, slice(col0 // 2, col1 // 2)))
-    scale = reader.read(q.scales["weight_scale"], (rows, slice(col0 // group, col1 // group)))
+    scale = _scale(reader, q, "weight_scale", (rows, slice(col0 // group, col1 // group)))
     if q.scheme == "nvfp4":
-        return nvfp4.dequantize_nvfp4(packed, scale, reader.read(q.scales["weight_scale_2"]).reshape(()), dtype)
+        return nvfp4.dequantize_nvfp4(packed, scale, _scale(reader, q, "weight_scale_2").reshape(()), dtype)
     return mxfp4.dequantize_mxfp4(packed, scale, dtype)
 
 
@@ -128,7 +139,7 @@ def _read_fp8(reader, q, shape, dtype, shard) -> torch.Tensor:
     dim, start, stop = shard if shard is not None else (0, 0, shape[0])
     if q.scheme == "fp8_scaled":
         w = reader.read(q.weight, (slice(start, stop),) if dim == 0 else (slice(None), slice(start, stop)))
-        s = reader.read(q.scales["weight_scale"]).float()
+        s = _scale(reader, q, "weight_scale").float()
         if s.numel() > 1:
             s = s.reshape(-1, 1)[start:stop] if dim == 0 else s.reshape(-1, 1)
         return (w.float() * s).to(dtype)
@@ -138,6 +149,6 @@ def _read_fp8(reader, q, shape, dtype, shard) -> torch.Tensor:
     index = (slice(lo, hi),) if dim == 0 else (slice(None), slice(lo, hi))
     s_index = (slice(lo // b, -(-hi // b)),) if dim == 0 else (slice(None), slice(lo // b, -(-hi // b)))
     w = reader.read(q.weight, index)
-    s = reader.read(q.scales["weight_scale_inv"], s_index)
+    s = _scale(reader, q, "weight_scale_inv", s_index)
     values = fp8.dequantize_weight_blocks(w, s, dtype, block=b)
     return values.narrow(dim, start - lo, stop - start).contiguous()

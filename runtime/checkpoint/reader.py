@@ -2,24 +2,24 @@
 
 A large MoE checkpoint is hundreds of gigabytes, so nothing here reads tensor data until asked, and a
 read returns exactly the requested slice as a fresh, compact tensor: the caller's peak host memory is
-the largest slice it asks for, not the checkpoint. Listing comes from the safetensors headers (an
-8-byte length and a JSON object at the start of each file), so opening a checkpoint costs one small
-read per shard. Quant metadata is returned as parsed JSON: which layer runs which format is the
-registry's decision, not the reader's.
+the largest slice it asks for, not the checkpoint. Listing comes from the safetensors headers,
+which the safetensors library parses and validates when the reader opens each file (a header that
+lies about its length, offsets, shapes or dtypes is refused there, naming the file): opening a
+checkpoint maps each shard but reads only its header. Quant metadata is returned as parsed JSON:
+which layer runs which format is the registry's decision, not the reader's.
 """
 from __future__ import annotations
 
 import bisect
 import json
 import math
-import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from runtime.checkpoint.errors import CheckpointError
 
@@ -37,9 +37,6 @@ _DTYPE_NAMES = {
     "F8_E8M0": "float8_e8m0fnu",
 }
 _DTYPES = {code: getattr(torch, name) for code, name in _DTYPE_NAMES.items() if hasattr(torch, name)}
-
-# A header larger than this is not a safetensors header (the format itself caps it at 100 MB).
-_MAX_HEADER = 100 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -80,6 +77,9 @@ class CheckpointReader:
         # Same preference as transformers: a single file wins over an index when both are present.
         single = self.path / SINGLE_FILE
         index = self.path / INDEX_FILE
+        for path in (single, index):
+            if (path.exists() or path.is_symlink()) and not path.is_file():
+                raise CheckpointError(f"{path} is not a file (a folder or a broken link)")
         if single.is_file():
             self._index_files = [SINGLE_FILE]
             for info in self._read_header(SINGLE_FILE).values():
@@ -87,10 +87,15 @@ class CheckpointReader:
             return
         if not index.is_file():
             raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {self.path}")
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{INDEX_FILE} in {self.path} is not a safetensors index: {e}") from None
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(n, str) and isinstance(f, str) for n, f in weight_map.items()):
+            raise CheckpointError(f"{index} is not a safetensors index: its weight_map must be an object "
+                                  f"of tensor names to shard file names")
+        # A shard is a file of this folder: a name with a path in it would read outside the checkpoint.
+        odd = sorted({f for f in weight_map.values() if f in ("", ".", "..") or Path(f).name != f or "\\" in f})
+        if odd:
+            raise CheckpointError(f"{index} names shard {odd[0]!r}, which is not a file name in {self.path}")
         by_file: dict[str, list[str]] = {}
         for name, file in weight_map.items():
             by_file.setdefault(file, []).append(name)
@@ -114,32 +119,15 @@ class CheckpointReader:
         self._index_files = sorted(by_file)
 
     def _read_header(self, file: str) -> dict[str, TensorInfo]:
-        path = self.path / file
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise CheckpointError(f"{file} is not a safetensors file (shorter than 8 bytes)")
-            (n,) = struct.unpack("<Q", raw)
-            if n > _MAX_HEADER or 8 + n > size:
-                raise CheckpointError(f"{file} is not a safetensors file (header length {n}, file size {size})")
-            try:
-                header = json.loads(f.read(n))
-            except ValueError as e:
-                raise CheckpointError(f"{file} has an unreadable safetensors header: {e}") from None
-        infos = {}
-        end_of_data = 0
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            code = entry["dtype"]
-            infos[name] = TensorInfo(name, file, tuple(entry["shape"]), _DTYPES.get(code), code)
-            end_of_data = max(end_of_data, entry["data_offsets"][1])
-        # A truncated download is the common corruption; catch it here rather than as a crash mid-load.
-        if 8 + n + end_of_data > size:
-            raise CheckpointError(f"{file} is truncated: its header describes {8 + n + end_of_data} bytes, "
-                                  f"the file has {size}")
-        return infos
+        # safetensors validates the whole header when it opens the file (length, JSON, dtype codes,
+        # offsets against shapes and the file size) and maps the file without reading tensor data.
+        try:
+            with safe_open(str(self.path / file), framework="pt") as handle:
+                return {name: _info(name, file, handle.get_slice(name)) for name in handle.keys()}
+        except (SafetensorError, OSError) as e:
+            reason = str(e).removeprefix("Error while deserializing header: ")
+            raise CheckpointError(f"{file} in {self.path} is not a readable safetensors file ({reason}); "
+                                  f"download or write it again") from None
 
     # -- metadata -------------------------------------------------------------------------------------
 
@@ -150,7 +138,7 @@ class CheckpointReader:
             path = self.path / CONFIG_FILE
             if not path.is_file():
                 raise CheckpointError(f"no {CONFIG_FILE} in {self.path}")
-            self._config = json.loads(path.read_text())
+            self._config = _read_json(path)
         return self._config
 
     @property
@@ -164,7 +152,7 @@ class CheckpointReader:
     def hf_quant_config(self) -> dict | None:
         """hf_quant_config.json (ModelOpt's own quant description), parsed, or None when absent."""
         path = self.path / MODELOPT_QUANT_FILE
-        return json.loads(path.read_text()) if path.is_file() else None
+        return _read_json(path) if path.is_file() else None
 
     @property
     def files(self) -> list[str]:
@@ -254,6 +242,23 @@ class CheckpointReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _info(name: str, file: str, view) -> TensorInfo:
+    code = view.get_dtype()
+    return TensorInfo(name, file, tuple(view.get_shape()), _DTYPES.get(code), code)
+
+
+def _read_json(path: Path) -> dict:
+    """A JSON object from `path`; anything else (unreadable, not UTF-8, not JSON, too deep, not an
+    object) is a CheckpointError naming the file."""
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{path} is not readable JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, found {type(value).__name__}")
+    return value
 
 
 def _close(handle) -> None:

@@ -33,6 +33,9 @@ _DIM_UNIT = {"bf16": 1, "fp8": 1, "mxfp4": MX_BLOCK, "nvfp4": NVFP4_BLOCK}
 # (fp8 blocks span 128 rows) and the down columns.
 _SHARD_UNIT = {"bf16": 1, "fp8": WEIGHT_BLOCK, "mxfp4": MX_BLOCK, "nvfp4": NVFP4_BLOCK}
 _MAX_LISTED_PROBLEMS = 20
+# Unquantized expert tensors (bf16-family weights, biases) come in any of these: transformers saves
+# fp32 by default, hub checkpoints are bf16. Between them the value is cast to what the module keeps.
+PLAIN_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class WeightLoadError(ValueError):
@@ -178,9 +181,11 @@ def _scaled(sl: slice, unit: int) -> slice:
     return slice(sl.start // unit, math.ceil(sl.stop / unit))
 
 
-def canonical_tensors(spec: MoeLayerSpec, fmt: str, inter: slice | None = None) -> tuple[CanonicalTensor, ...]:
+def canonical_tensors(spec: MoeLayerSpec, fmt: str, inter: slice | None = None,
+                      plain: torch.dtype = torch.bfloat16) -> tuple[CanonicalTensor, ...]:
     """The canonical tensors of one expert in run format `fmt`, sliced to the intermediate shard `inter`
-    (None: the whole expert). gate/up shard their rows, down its columns; down's bias is whole."""
+    (None: the whole expert). gate/up shard their rows, down its columns; down's bias is whole.
+    `plain` is the dtype unquantized weights and biases are kept in."""
     family = WEIGHT_FAMILY[fmt]
     h, i = spec.hidden_size, spec.intermediate_size
     out = []
@@ -195,7 +200,7 @@ def canonical_tensors(spec: MoeLayerSpec, fmt: str, inter: slice | None = None) 
             out.append(CanonicalTensor(proj, kind, shape, dtype, rows, cols))
 
         if family == "bf16":
-            add("weight", (rows_out, cols_in), torch.bfloat16)
+            add("weight", (rows_out, cols_in), plain)
         elif family == "fp8":
             add("weight", (rows_out, cols_in), torch.float8_e4m3fn)
             add("weight_scale_inv", (math.ceil(rows_out / WEIGHT_BLOCK), math.ceil(cols_in / WEIGHT_BLOCK)),
@@ -211,7 +216,7 @@ def canonical_tensors(spec: MoeLayerSpec, fmt: str, inter: slice | None = None) 
                 add("input_scale", (), torch.float32, scalar=True)
         if spec.expert_bias:
             rows = shard_rows if proj != "down" else None
-            out.append(CanonicalTensor(proj, "bias", (rows_out,), torch.bfloat16, rows, None))
+            out.append(CanonicalTensor(proj, "bias", (rows_out,), plain, rows, None))
     return tuple(out)
 
 
@@ -260,6 +265,11 @@ def random_source(spec: MoeLayerSpec, fmt: str, experts, generator: torch.Genera
     return DictExpertSource(tensors, prefix="random")
 
 
+def _fits(found: torch.dtype, want: torch.dtype) -> bool:
+    """A source tensor of dtype `found` can fill a canonical tensor of dtype `want` (equal, or both plain floats)."""
+    return found == want or (found in PLAIN_FLOATS and want in PLAIN_FLOATS)
+
+
 def _describe(shape, dtype) -> str:
     return f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
 
@@ -270,7 +280,8 @@ class ExpertsBase(torch.nn.Module):
     IMPL_ID: ClassVar[str] = ""
     FORMAT: ClassVar[str] = ""
 
-    def __init__(self, spec: MoeLayerSpec, parallel: ExpertParallel = ExpertParallel(), device=None):
+    def __init__(self, spec: MoeLayerSpec, parallel: ExpertParallel = ExpertParallel(), device=None,
+                 dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         if self.FORMAT not in RUN_FORMATS or not self.IMPL_ID:
             raise TypeError(f"{type(self).__name__} must set IMPL_ID and a FORMAT among {RUN_FORMATS}")
@@ -281,7 +292,10 @@ class ExpertsBase(torch.nn.Module):
         self.inter_size = self.inter.stop - self.inter.start
         self._check_sizes()
         whole = parallel.moe_tp_size == 1
-        self.tensors = canonical_tensors(spec, self.FORMAT, None if whole else self.inter)
+        # `dtype` is the build's: an implementation that computes in fp32 keeps fp32 weights for it.
+        self.dtype = dtype
+        self.tensors = canonical_tensors(spec, self.FORMAT, None if whole else self.inter,
+                                         self.plain_dtype(dtype))
         self.expert_ids: tuple[int, ...] = parallel.local_experts(spec.num_experts)
         # Down's bias is added once per token: by the first MoE-TP shard.
         self.adds_down_bias = spec.expert_bias and parallel.moe_tp_rank == 0
@@ -289,6 +303,12 @@ class ExpertsBase(torch.nn.Module):
         self._allocate(device)
 
     # --- what a subclass provides -------------------------------------------------------------------
+    @classmethod
+    def plain_dtype(cls, dtype: torch.dtype) -> torch.dtype:
+        """The dtype unquantized weights and biases are kept in, in a build of `dtype`: bf16 for
+        implementations whose GEMMs run on bf16 operands whatever the build's dtype."""
+        return torch.bfloat16
+
     def _buffer_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (shape, dtype) of every buffer, for `len(self.expert_ids)` experts."""
         raise NotImplementedError
@@ -336,7 +356,7 @@ class ExpertsBase(torch.nn.Module):
                                     f"{_describe(t.shape, t.dtype)})")
                     continue
                 dtype = source.dtype(expert, t.proj, t.kind)
-                if tuple(shape) != t.shape or dtype != t.dtype:
+                if tuple(shape) != t.shape or not _fits(dtype, t.dtype):
                     problems.append(f"{name}: expected shape {_describe(t.shape, t.dtype)}, "
                                     f"found {_describe(shape, dtype)}")
         return problems
@@ -357,6 +377,8 @@ class ExpertsBase(torch.nn.Module):
         for expert in self.expert_ids:
             for t in self.tensors:
                 value = source.get(expert, t.proj, t.kind, rows=t.rows, cols=t.cols)
+                if value.dtype != t.dtype and _fits(value.dtype, t.dtype):
+                    value = value.to(t.dtype)
                 if tuple(value.shape) != t.local_shape or value.dtype != t.dtype:
                     raise WeightLoadError(
                         f"{source.name(expert, t.proj, t.kind)}: the slice rows={t.rows} cols={t.cols} "
@@ -379,8 +401,8 @@ class ExpertsBase(torch.nn.Module):
 
     @classmethod
     def from_checkpoint(cls, spec: MoeLayerSpec, parallel: ExpertParallel, source: ExpertTensorSource,
-                        device=None) -> "ExpertsBase":
-        module = cls(spec, parallel, device=device)
+                        device=None, dtype: torch.dtype = torch.bfloat16) -> "ExpertsBase":
+        module = cls(spec, parallel, device=device, dtype=dtype)
         module.load_weights(source)
         return module
 

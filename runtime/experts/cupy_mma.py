@@ -55,8 +55,9 @@ class _CupyMmaExperts(ExpertsBase):
     # warp tiles compiled besides `plan`'s (for `forward(..., tile=)` measurements)
     extra_tiles: tuple[tuple[int, int], ...] = ()
 
-    def __init__(self, spec: MoeLayerSpec, parallel: ExpertParallel = ExpertParallel(), device=None):
-        super().__init__(spec, parallel, device)
+    def __init__(self, spec: MoeLayerSpec, parallel: ExpertParallel = ExpertParallel(), device=None,
+                 dtype: torch.dtype = torch.bfloat16):
+        super().__init__(spec, parallel, device, dtype)
         self._local_maps: dict = {}
 
     # --- layout -----------------------------------------------------------------------------------

@@ -25,8 +25,9 @@ class _GroupedMmExperts(ExpertsBase):
     strides for `torch._grouped_mm`). CUDA needs SM 9.0 or newer; CPU runs anywhere. Not CUDA-graph
     capturable (the number of routed pairs is read back to size the permutation)."""
 
-    def __init__(self, spec: MoeLayerSpec, parallel: ExpertParallel = ExpertParallel(), device=None):
-        super().__init__(spec, parallel, device)
+    def __init__(self, spec: MoeLayerSpec, parallel: ExpertParallel = ExpertParallel(), device=None,
+                 dtype: torch.dtype = torch.bfloat16):
+        super().__init__(spec, parallel, device, dtype)
         self._plan: tuple[int, ...] | None = None
         self._index_cache: dict[torch.device, dict[str, torch.Tensor]] = {}
 

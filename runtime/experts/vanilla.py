@@ -14,6 +14,11 @@ from .base import WEIGHT_KINDS, ExpertsBase, dequantize_canonical
 
 class _EagerLoopExperts(ExpertsBase):
 
+    @classmethod
+    def plain_dtype(cls, dtype):
+        # Both GEMMs run in fp32: an fp32 build keeps its unquantized weights exact.
+        return torch.float32 if dtype == torch.float32 else torch.bfloat16
+
     def _buffer_specs(self):
         n = len(self.expert_ids)
         return {f"{t.proj}_{t.kind}": ((n, *t.local_shape), t.dtype) for t in self.tensors}

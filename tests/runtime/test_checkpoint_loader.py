@@ -1,5 +1,6 @@
 """Loading a checkpoint into a build: every family and format lands where transformers and the float64 oracles say, and every bad input stops the load with a precise message before anything changes."""
 import json
+import math
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from runtime.experts.base import MoeLayerSpec
 from runtime.experts.vanilla import (TorchEagerBf16Experts, TorchEagerFp8BlockScalesExperts,
                                      TorchEagerNvfp4Experts, TorchEagerW4a16Mxfp4Experts,
                                      TorchEagerW4a16Nvfp4Experts)
+from runtime.experts.torch_grouped import TorchGroupedMmBf16Experts
 from tests.runtime import fixtures_checkpoints as fc
 
 E, H, I = fc.EXPERTS, fc.HIDDEN, fc.MOE_INTER
@@ -275,8 +277,8 @@ BAD_INPUTS = {
               "model.layers.1.mlp.gate.weight: expected dtype float32, found int32"),
     "expert_shape": (lambda t: {**t, f"{PREFIX}.3.up_proj.weight": torch.zeros(SMALL_I, 16, dtype=torch.bfloat16)},
                      f"{PREFIX}.3.up_proj.weight: expected shape (8, 32) bfloat16, found (8, 16) bfloat16"),
-    "expert_dtype": (lambda t: {**t, f"{PREFIX}.0.down_proj.weight": torch.zeros(SMALL_H, SMALL_I)},
-                     f"{PREFIX}.0.down_proj.weight: expected shape (32, 8) bfloat16, found (32, 8) float32"),
+    "expert_dtype": (lambda t: {**t, f"{PREFIX}.0.down_proj.weight": torch.zeros(SMALL_H, SMALL_I, dtype=torch.int16)},
+                     f"{PREFIX}.0.down_proj.weight: expected shape (32, 8) bfloat16, found (32, 8) int16"),
     "expert_missing": (lambda t: {k: v for k, v in t.items() if k != f"{PREFIX}.1.gate_proj.weight"},
                        f"{PREFIX}.1.gate_proj.weight: missing from the checkpoint (expected shape (8, 32) bfloat16)"),
 }
@@ -292,6 +294,29 @@ def test_a_router_stored_in_bf16_loads_into_an_fp32_parameter_by_value(tmp_path)
     load_checkpoint(build, _write(tmp_path, tensors))
     loaded = dict(build.named_parameters())["model.layers.1.mlp.gate.weight"]
     assert loaded.dtype == torch.float32 and torch.equal(loaded, stored.float())
+
+
+@pytest.mark.parametrize("stored", [torch.float32, torch.float16])
+def test_unquantized_expert_weights_of_any_float_dtype_load_into_the_dtype_the_experts_keep(tmp_path, stored):
+    # transformers saves fp32 by default. VANILLA computes in fp32, so in an fp32 build it keeps the
+    # values exactly; in a bf16 build, and TORCH always (bf16 GEMM operands), they are rounded once to bf16.
+    tensors = _small_tensors()
+    gen = torch.Generator().manual_seed(3)
+    for e in range(E):
+        for proj, shape in (("gate", (SMALL_I, SMALL_H)), ("up", (SMALL_I, SMALL_H)), ("down", (SMALL_H, SMALL_I))):
+            tensors[f"{PREFIX}.{e}.{proj}_proj.weight"] = torch.randn(*shape, generator=gen).to(stored)
+    path = _write(tmp_path, tensors)
+    spec = MoeLayerSpec(hidden_size=SMALL_H, intermediate_size=SMALL_I, num_experts=E, top_k=2, activation="silu_glu")
+    want = torch.stack([tensors[f"{PREFIX}.{e}.down_proj.weight"] for e in range(E)])
+    for cls, dtype, kept in ((TorchEagerBf16Experts, torch.float32, torch.float32),
+                             (TorchEagerBf16Experts, torch.bfloat16, torch.bfloat16),
+                             (TorchGroupedMmBf16Experts, torch.float32, torch.bfloat16)):
+        experts = cls(spec, dtype=dtype)
+        params = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items() if not n.startswith(PREFIX)}
+        load_checkpoint(fc.mirror(params, {PREFIX: experts}, fill=0.5), path)
+        loaded = experts.down_weight if cls is TorchEagerBf16Experts else experts.w2
+        assert loaded.dtype == kept, cls
+        assert torch.equal(loaded, want.to(kept)), cls
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
@@ -485,3 +510,100 @@ def test_other_quantized_linear_schemes_dequantize_to_their_float64_values(tmp_p
         assert report.dequantized == [name]
         want = oracle[rows]
         assert (o.weight.double() - want).abs().le(want.abs() * 2.0 ** -8).all(), (scheme, shard)
+
+
+# -- NaN and infinite scales ----------------------------------------------------------------------------
+
+def _corrupted(saved, tmp_path, changes: dict[str, tuple[tuple[int, ...], float | int]]):
+    """A copy of `saved`'s folder with single scale elements overwritten: name -> (index, value)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved.path, path)
+    with CheckpointReader(path) as r:
+        files = {name: r.info(name).file for name in changes}
+    for file in sorted(set(files.values())):
+        tensors = load_file(str(path / file))
+        for name, (index, value) in changes.items():
+            if files[name] == file:
+                t = tensors[name]
+                if t.dtype == torch.float8_e4m3fn:   # e4m3 has no infinity; its NaN is the byte 0x7f
+                    t.view(torch.uint8)[index] = 0x7F
+                else:
+                    t[index] = value
+        save_file(tensors, str(path / file), metadata={"format": "pt"})
+    return path
+
+
+def _scale_message(name, count, numel, what="scale values are NaN or infinite"):
+    return f"{name}: {count} of the {numel} {what}; the checkpoint is corrupt: download or quantize it again"
+
+
+def _refused(build, path) -> str:
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(build, path)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("name, value", [
+    (f"{fc.experts_prefix('deepseek_v3', 1)}.2.up_proj.weight_scale_inv", float("nan")),
+    ("model.layers.1.self_attn.o_proj.weight_scale_inv", float("inf")),
+])
+def test_nan_and_infinite_fp8_block_scales_are_refused_naming_the_tensor(tmp_path, name, value):
+    saved = fc.deepseek_fp8()
+    prefix = fc.experts_prefix("deepseek_v3", 1)
+    path = _corrupted(saved, tmp_path, {name: ((1, 0), value)})
+    non_expert = {n: w for n, w in saved.originals.items() if not n.startswith(prefix + ".")}
+    experts = {prefix: TorchEagerFp8BlockScalesExperts(_spec("deepseek_v3", fc.FP8_HIDDEN, fc.FP8_MOE_INTER))}
+    with CheckpointReader(path) as r:
+        build = _build(r, experts, non_expert)
+        numel = math.prod(r.shape(name))
+    assert _refused(build, path) == _scale_message(name, 1, numel)
+    # The intact checkpoint loads into the same build.
+    load_checkpoint(build, saved.path)
+
+
+@pytest.mark.parametrize("kind, index, value", [("weight_scale", (5, 1), None), ("weight_scale_2", (), float("inf")),
+                                                ("input_scale", (), float("nan"))])
+def test_nan_and_infinite_nvfp4_expert_scales_are_refused_naming_the_tensor(tmp_path, kind, index, value):
+    saved = fc.qwen3_moe_nvfp4()
+    name = f"{fc.experts_prefix('qwen3_moe', 1)}.2.up_proj.{kind}"
+    path = _corrupted(saved, tmp_path, {name: (index, value)})
+    experts = {fc.experts_prefix("qwen3_moe", layer): TorchEagerNvfp4Experts(_spec("qwen3_moe"))
+               for layer in fc.moe_layers("qwen3_moe")}
+    non_expert = {n: w for n, w in saved.originals.items() if ".experts." not in n}
+    with CheckpointReader(path) as r:
+        build = _build(r, experts, non_expert)
+        numel = math.prod(r.shape(name))
+    before = _snapshot(experts[fc.experts_prefix("qwen3_moe", 1)])
+    assert _refused(build, path) == _scale_message(name, 1, numel)
+    # The experts module whose scale is bad keeps its old values (it swaps in only complete loads).
+    _assert_unchanged(experts[fc.experts_prefix("qwen3_moe", 1)], before)
+
+
+@pytest.mark.parametrize("kind", ["weight_scale", "weight_scale_2"])
+def test_a_nan_nvfp4_scale_of_a_non_expert_linear_is_refused(tmp_path, kind):
+    saved = fc.qwen3_moe_nvfp4()
+    name = f"model.layers.1.self_attn.k_proj.{kind}"
+    path = _corrupted(saved, tmp_path, {name: ((0, 0) if kind == "weight_scale" else (), float("nan"))})
+    experts = {fc.experts_prefix("qwen3_moe", layer): TorchEagerW4a16Nvfp4Experts(_spec("qwen3_moe"))
+               for layer in fc.moe_layers("qwen3_moe")}
+    with CheckpointReader(path) as r:
+        build = _build(r, experts, {n: w for n, w in saved.originals.items() if ".experts." not in n})
+        numel = math.prod(r.shape(name))
+    assert _refused(build, path) == _scale_message(name, 1, numel)
+
+
+def test_an_e8m0_nan_in_a_gpt_oss_mxfp4_scale_is_refused_naming_the_expert_and_rows(tmp_path):
+    # Fused row 6 of expert 1 is gate row 3 (gate/up rows interleave); E8M0 byte 255 is NaN.
+    saved = fc.gpt_oss_mxfp4()
+    prefix = fc.experts_prefix("gpt_oss", 1)
+    path = _corrupted(saved, tmp_path, {f"{prefix}.gate_up_proj_scales": ((1, 6, 1), 255)})
+    experts = {fc.experts_prefix("gpt_oss", layer): TorchEagerW4a16Mxfp4Experts(_spec("gpt_oss"))
+               for layer in fc.moe_layers("gpt_oss")}
+    with CheckpointReader(path) as r:
+        build = _build(r, experts)
+    assert _refused(build, path) == _scale_message(f"{prefix}.gate_up_proj_scales[1, 0::2]", 1, I * H // 32,
+                                                   "E8M0 scale bytes are 255 (NaN)")

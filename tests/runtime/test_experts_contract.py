@@ -108,8 +108,8 @@ def test_failed_load_names_the_tensor_and_changes_nothing(cls):
     cases = [
         (good[:, :100], f"{PREFIX}.3.down_proj.weight: expected shape (256, 136) {weight_dtype}, "
                         f"found (256, 100) {weight_dtype}"),
-        (good.to(torch.float16), f"{PREFIX}.3.down_proj.weight: expected shape (256, 136) {weight_dtype}, "
-                                 f"found (256, 136) float16"),
+        (torch.ones(good.shape, dtype=torch.int16), f"{PREFIX}.3.down_proj.weight: expected shape (256, 136) "
+                                                    f"{weight_dtype}, found (256, 136) int16"),
         (None, f"{PREFIX}.3.down_proj.weight: missing from the checkpoint (expected shape (256, 136) "
                f"{weight_dtype})"),
     ]

@@ -107,7 +107,7 @@ def make_mlp(experts_cls, layout, rank, dtype):
             hidden_size=HIDDEN_SIZE, num_experts=NUM_EXPERTS, top_k=TOP_K, n_group=N_GROUP, topk_group=TOPK_GROUP,
             norm_topk_prob=NORM_TOPK_PROB, routed_scaling_factor=ROUTED_SCALING_FACTOR, dtype=dtype,
         ),
-        experts=experts_cls(EXPERTS_SPEC, expert_parallel(layout, rank)),
+        experts=experts_cls(EXPERTS_SPEC, expert_parallel(layout, rank), dtype=dtype),
         shared_experts=MLP(
             hidden_size=HIDDEN_SIZE, intermediate_size=MOE_INTERMEDIATE_SIZE * NUM_SHARED_EXPERTS, tp_rank=tp_rank,
             tp_size=layout.tp, reduce_output=False, dtype=dtype,

@@ -143,7 +143,7 @@ def make_mlp(experts_cls, layout, rank, dtype):
     """The MoE block: softmax top-k router and the bound experts."""
     return MoEBlock(
         gate=SoftmaxTopKRouter(hidden_size=HIDDEN_SIZE, num_experts=NUM_EXPERTS, top_k=TOP_K, norm_topk_prob=NORM_TOPK_PROB, dtype=dtype),
-        experts=experts_cls(EXPERTS_SPEC, expert_parallel(layout, rank)),
+        experts=experts_cls(EXPERTS_SPEC, expert_parallel(layout, rank), dtype=dtype),
         layout=layout,
     )
 

@@ -103,7 +103,7 @@ def make_mlp(experts_cls, layout, rank, dtype):
     """The MoE block: biased linear router (top-k logits, softmax over k), the bound experts (clamped SwiGLU, biases)."""
     return MoEBlock(
         router=LinearTopKSoftmaxRouter(hidden_size=HIDDEN_SIZE, num_experts=NUM_EXPERTS, top_k=TOP_K, dtype=dtype),
-        experts=experts_cls(EXPERTS_SPEC, expert_parallel(layout, rank)),
+        experts=experts_cls(EXPERTS_SPEC, expert_parallel(layout, rank), dtype=dtype),
         layout=layout,
     )
 
