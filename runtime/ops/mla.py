@@ -86,10 +86,11 @@ class MLAttention(nn.Module):
     def new_cache(
         self, *, batch_size: int, max_seq_len: int, dtype: torch.dtype, device: torch.device | str | None = None
     ) -> StaticCache:
-        """Latent `[B, L, kv_lora_rank]` and rotated shared key `[B, L, 1, qk_rope_head_dim]`."""
+        """Latent `[B, 1, L, kv_lora_rank]` and rotated shared key `[B, 1, L, qk_rope_head_dim]`, packed in one
+        buffer (the absorbed decode reads both as one key)."""
         return StaticCache(
-            batch_size=batch_size, max_seq_len=max_seq_len, first_shape=(self.kv_lora_rank,),
-            second_shape=(1, self.qk_rope_head_dim), dtype=dtype, device=device,
+            batch_size=batch_size, max_seq_len=max_seq_len, first_shape=(1, self.kv_lora_rank),
+            second_shape=(1, self.qk_rope_head_dim), dtype=dtype, device=device, packed=True,
         )
 
     def forward(
@@ -116,12 +117,15 @@ class MLAttention(nn.Module):
         if cache is None:
             k_positions = positions
         else:
-            latent, k_rot = cache.update(positions, latent, k_rot)
+            latent, k_rot = cache.update(positions, latent[:, :, None], k_rot)
+            latent, k_rot = latent[:, 0], k_rot.transpose(1, 2)
             k_positions = cache.positions
         length = latent.shape[1]
         kv = self.kv_b_proj(latent).view(batch, length, self.local_heads, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split((self.qk_nope_head_dim, self.v_head_dim), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(batch, length, self.local_heads, self.qk_rope_head_dim)), dim=-1)
         q = torch.cat((q_nope, q_rot), dim=-1)
-        out = attention(q, k, v, positions, k_positions, self.scale)
+        out = attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), positions, k_positions, self.scale, self_keys=cache is None
+        )
         return self.o_proj(out.reshape(batch, seq, -1))
