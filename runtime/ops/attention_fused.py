@@ -6,12 +6,12 @@ CUDA graph):
 - keys are the queries' own tokens with a plain causal mask (prefill without a window or sinks):
   `scaled_dot_product_attention(is_causal=True, enable_gqa=...)`, the flash kernel, no mask tensor and
   no repeated K/V;
-- anything else (a cached step over the static cache, sliding windows, sinks): the G query heads that
-  share a key/value head are folded into G*S query rows of that head (`[B, Hkv, G*S, D]`, a copy of q
-  only), so the keys and values are read once per head and never expanded, with an additive mask built
-  from positions. gpt-oss sinks: the memory-efficient kernel also returns each row's log-sum-exp `lse`,
-  and a sink logit `s` joining the softmax scales the row's output by `e^lse / (e^lse + e^s)` =
-  `sigmoid(lse - s)`, which is exact.
+- a cached step over the static cache, or sliding windows: the same call with `enable_gqa` and a
+  boolean `[S, L]` mask built from positions (cuDNN's kernel on an H200; K/V never repeated);
+- gpt-oss sinks: the G query heads that share a key/value head are folded into G*S query rows of that
+  head (`[B, Hkv, G*S, D]`, a copy of q only) for the memory-efficient kernel, which also returns each
+  row's log-sum-exp `lse`; a sink logit `s` joining the softmax scales the row's output by
+  `e^lse / (e^lse + e^s)` = `sigmoid(lse - s)`, which is exact.
 
 Shapes as `attention_core.attention`. Kernels accumulate in fp32; inputs and outputs stay in their dtype.
 """
@@ -46,17 +46,20 @@ def attention(
         )
         return out.transpose(1, 2)
 
+    if sinks is None:
+        allowed = allowed_keys(q_positions, k_positions, sliding_window)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=allowed, scale=scale, enable_gqa=group > 1
+        )
+        return out.transpose(1, 2)
     rows = group * seq
     qf = q.view(batch, seq, kv_heads, group, dim).permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, rows, dim)
     bias = folded_bias(q_positions, k_positions, sliding_window, group, q.dtype)
-    if sinks is None:
-        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=bias, scale=scale)
-    else:
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-            qf, k, v, bias.expand(batch, kv_heads, rows, k.shape[2]), True, scale=scale
-        )[:2]
-        sink = sinks.float().view(kv_heads, group, 1).expand(kv_heads, group, seq).reshape(kv_heads, rows)
-        out = (out.float() * torch.sigmoid(lse[..., :rows] - sink).unsqueeze(-1)).to(q.dtype)
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        qf, k, v, bias.expand(batch, kv_heads, rows, k.shape[2]), True, scale=scale
+    )[:2]
+    sink = sinks.float().view(kv_heads, group, 1).expand(kv_heads, group, seq).reshape(kv_heads, rows)
+    out = (out.float() * torch.sigmoid(lse[..., :rows] - sink).unsqueeze(-1)).to(q.dtype)
     return out.view(batch, kv_heads, group, seq, -1).permute(0, 3, 1, 2, 4).reshape(batch, seq, q_heads, -1)
 
 

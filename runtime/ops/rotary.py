@@ -21,6 +21,8 @@ import math
 import torch
 import torch.nn as nn
 
+from runtime.kernels import rotary as rotary_kernel
+
 
 def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
     """theta_i = base^(-2i/d) for i < d/2, in fp32."""
@@ -169,7 +171,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
 
     `cos`/`sin` are `[S, rotary_dim / 2]`. They are cast to `x.dtype` first and the rotation runs in that
     dtype, as in transformers, so bf16 builds round where the reference rounds.
+    On CUDA, half-split pairs run as one Triton kernel (`runtime.kernels.rotary`) with the same rounding.
     """
+    if rotary_kernel.applies(x, cos, interleaved):
+        return rotary_kernel.apply(x, cos, sin, interleaved)
     half = cos.shape[-1]
     rot, rest = x[..., : 2 * half], x[..., 2 * half :]
     c = cos.to(x.dtype)[:, None, :]
