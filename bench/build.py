@@ -74,22 +74,56 @@ def hf_config(model: str, layers: int):
     facts = importlib.import_module(f"generated.{model}.facts")
     config = {k: v for k, v in facts.CONFIG.items() if k != "architectures"}
     config["num_hidden_layers"] = layers
+    if "layer_types" in config:
+        config["layer_types"] = config["layer_types"][:layers]
     return AutoConfig.for_model(facts.FAMILY, **config), facts
 
 
-def save_checkpoint(model: str, layers: int, folder: Path):
+def save_checkpoint(model: str, layers: int, folder: Path, device: str = "cuda"):
+    """transformers' model of `model` cut to `layers`, random weights, saved to `folder`: by
+    `save_pretrained` for bf16 models; gpt-oss in its hub MXFP4 layout (experts as `*_blocks`/`*_scales`,
+    quantized by runtime.formats.mxfp4, and transformers' copy holding the dequantized values, so both
+    sides compute with the same weights)."""
     from transformers import AutoModelForCausalLM
 
-    config, _ = hf_config(model, layers)
+    config, facts = hf_config(model, layers)
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    extra = {"attn_implementation": "eager"} if facts.FAMILY == "gpt_oss" else {}  # sinks need eager
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, **extra)
     with torch.no_grad():  # transformers leaves norms at 1 and biases at 0: give every tensor values
         for name, t in hf.state_dict().items():
             if t.is_floating_point():
                 t.copy_((1.0 + 0.1 * torch.randn_like(t, dtype=torch.float32)) if "norm" in name
                         else 0.02 * torch.randn_like(t, dtype=torch.float32))
-    hf.save_pretrained(folder)
+    if facts.FAMILY != "gpt_oss":
+        hf.save_pretrained(folder)
+        return hf.eval()
+    from safetensors.torch import save_file
+
+    from runtime.formats import mxfp4
+
+    tensors = {}
+    with torch.no_grad():
+        for name, t in hf.state_dict().items():
+            if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                tensors[name] = t.contiguous().cpu()
+                continue
+            blocks, scales = [], []
+            for e in range(0, t.shape[0], 8):  # transformers' layout is input-major [E, in, out]; the hub's out-major
+                packed, bits = mxfp4.quantize_mxfp4(t[e:e + 8].transpose(1, 2).contiguous().float())
+                t[e:e + 8].copy_(mxfp4.dequantize_mxfp4(packed, bits, torch.bfloat16).transpose(1, 2))
+                blocks.append(mxfp4.canonical_to_gpt_oss_blocks(packed).cpu())
+                scales.append(bits.cpu())
+            tensors[name + "_blocks"], tensors[name + "_scales"] = torch.cat(blocks), torch.cat(scales)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = hf.config.to_dict()
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    }
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     return hf.eval()
 
 
@@ -128,17 +162,22 @@ def load_build(model: str, sm: int, layers: int, folder: Path, variant: str, dev
 
 
 def decode_bytes(config, batch: int, kv_len: int) -> int:
-    """Bytes one decode step must read: every weight it touches (bf16), the active experts for uniform
-    routing, the embedding rows and the KV cache."""
+    """Bytes one decode step must read: every weight it touches, the active experts for uniform routing
+    (bf16, or MXFP4 at 0.53125 bytes per weight for gpt-oss, its biases bf16), the embedding rows, and
+    the KV cache (a sliding layer's window only), all else bf16."""
     c = config
     h, heads, kv, d = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    attn = h * heads * d * 2 + h * kv * d * 2 + 2 * d + h  # q, o; k, v; q/k norms; input norm
-    experts, k, inter = c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size
-    active = experts * (1 - (1 - k / experts) ** batch)
-    layer = attn + experts * h + h + active * 3 * h * inter
-    weights = c.num_hidden_layers * layer + c.vocab_size * h + h + batch * h
-    cache = c.num_hidden_layers * batch * kv_len * kv * d * 2
-    return 2 * (weights + cache)
+    gpt_oss = c.model_type == "gpt_oss"
+    attn = 2 * (h * heads * d * 2 + h * kv * d * 2 + 2 * d + h)  # q, o; k, v; q/k norms; input norm
+    experts = c.num_local_experts if gpt_oss else c.num_experts
+    inter = c.intermediate_size if gpt_oss else c.moe_intermediate_size
+    active = experts * (1 - (1 - c.num_experts_per_tok / experts) ** batch)
+    per_expert = 3 * h * inter * 0.53125 + 2 * (3 * inter + h) if gpt_oss else 3 * h * inter * 2
+    layer = attn + 2 * (experts * h + h) + active * per_expert
+    windows = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
+    cache = sum(batch * (min(kv_len, c.sliding_window) if t == "sliding_attention" else kv_len) * kv * d * 2 * 2
+                for t in windows)
+    return int(c.num_hidden_layers * layer + 2 * (c.vocab_size * h + h + batch * h) + cache)
 
 
 # -- measurements -------------------------------------------------------------------------------------
@@ -147,9 +186,11 @@ def decode_bytes(config, batch: int, kv_len: int) -> int:
 def bench_build(model, name, ids, hf_ref, results):
     from runtime.decoding import Decoder
 
+    kept = {}
     with torch.no_grad():
         logits = model(ids[:1])
         row = {"variant": name, "build": type(model).__module__, "prefill": parity(logits[0], hf_ref["prefill"])}
+        kept["prefill"] = logits[0].cpu()
         del logits
         row["prefill_ms"] = events_ms(lambda: model(ids[:1]), 10)
         for batch in BATCHES:
@@ -158,6 +199,7 @@ def bench_build(model, name, ids, hf_ref, results):
             step_ids = ids[:batch, CACHED]
             logits = decoder.step(step_ids).clone()  # captures
             row[f"decode_b{batch}"] = parity(logits, hf_ref[f"decode_b{batch}"])
+            kept[f"decode_b{batch}"] = logits.cpu()
 
             def replay():
                 decoder.position.fill_(CACHED)
@@ -167,6 +209,28 @@ def bench_build(model, name, ids, hf_ref, results):
             del decoder
     results.append(row)
     print(json.dumps(row), flush=True)
+    return kept
+
+
+def fp32_parity(hf, ids, refs, kept_by_variant, report):
+    """Parity against transformers in fp32 (same bf16 weights, upcast): the noise floor of bf16 itself
+    (transformers' own bf16 logits against it) next to each build's."""
+    hf = hf.float()
+    out = {}
+    with torch.no_grad():
+        truth = {"prefill": hf(ids[:1]).logits[0]}
+        for batch in BATCHES:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=hf.config)
+            hf(ids[:batch, :CACHED], past_key_values=cache, use_cache=True)
+            truth[f"decode_b{batch}"] = hf(ids[:batch, CACHED:CACHED + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+            del cache
+    out["transformers_bf16"] = {k: parity(refs[k], v) for k, v in truth.items()}
+    for variant, kept in kept_by_variant.items():
+        out[variant] = {k: parity(kept[k].cuda(), v) for k, v in truth.items()}
+    report["fp32_parity"] = out
+    print(json.dumps({"fp32_parity": out}), flush=True)
 
 
 def transformers_refs(hf, ids):
@@ -182,11 +246,9 @@ def transformers_refs(hf, ids):
             hf(ids[:batch, :CACHED], past_key_values=cache, use_cache=True)
             step = ids[:batch, CACHED:CACHED + 1]
             refs[f"decode_b{batch}"] = hf(step, past_key_values=cache, use_cache=True).logits[:, -1]
-            cache.crop(CACHED)
 
-            def one():
+            def one():  # the cache grows by one token a call: 1024 -> 1047 over the timed calls
                 hf(step, past_key_values=cache, use_cache=True)
-                cache.crop(CACHED)
 
             times[f"decode_b{batch}_ms"] = events_ms(one, 20)
     return refs, times
@@ -315,6 +377,8 @@ def main() -> None:
     parser.add_argument("--variants", default="specialized,generic,torch")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--profile", action="store_true", help="kernel times of the specialized build's decode step")
+    parser.add_argument("--fp32-parity", action="store_true",
+                        help="also compare every build and transformers' bf16 logits with transformers in fp32")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
@@ -340,11 +404,11 @@ def main() -> None:
     print(json.dumps({"transformers_eager": hf_times}), flush=True)
     report["bytes"] = {f"decode_b{b}": decode_bytes(config, b, CACHED + 1) for b in BATCHES}
 
-    results = []
+    results, kept = [], {}
     for variant in args.variants.split(","):
         try:
             model = load_build(args.model, args.sm, args.layers, folder, variant)
-            bench_build(model, variant, ids, refs, results)
+            kept[variant] = bench_build(model, variant, ids, refs, results)
             if variant == "specialized" and args.profile:
                 report["profile"] = {f"b{b}": profile_step(model, ids, b) for b in (1, 32)}
                 print(json.dumps(report["profile"], indent=1), flush=True)
@@ -360,6 +424,12 @@ def main() -> None:
         except Exception:  # noqa: BLE001
             report["transformers_compiled_error"] = traceback.format_exc()
             print(report["transformers_compiled_error"], flush=True)
+    if args.fp32_parity:
+        try:
+            fp32_parity(hf, ids, refs, kept, report)
+        except Exception:  # noqa: BLE001
+            report["fp32_parity_error"] = traceback.format_exc()
+            print(report["fp32_parity_error"], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"build_{args.model}.json").write_text(json.dumps(report, indent=1))
 
