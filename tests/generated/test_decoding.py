@@ -133,3 +133,19 @@ def test_the_launcher_refuses_a_negative_generate(capsys):
     code = run.main(["--model", "tiny_qwen3_moe", "--sm", "90", "--tiny", "--generate", "-1"])
     assert code == 2
     assert capsys.readouterr().err.strip() == "python -m generated.run: error: --generate takes a number of tokens >= 1, got -1"
+
+
+def test_parallel_layouts_generate_the_single_rank_ids(capsys):
+    # Tensor parallel (tp2) and attention data parallel with expert parallel (dep2: each replica decodes
+    # its own row, the ids are gathered) decode the same greedy continuation as one rank.
+    from generated import run
+
+    outputs = {}
+    for parallel in ("tp1", "tp2", "dep2"):
+        code = run.main(["--model", "tiny_qwen3_moe", "--sm", "90", "--parallel", parallel, "--tiny",
+                         "--tokens", "5,6,7,8", "9,10,11,12", "--generate", "3"])
+        out = capsys.readouterr().out
+        assert code == 0, out
+        outputs[parallel] = [line.split(": ", 1)[1] for line in out.splitlines() if " generated: " in line]
+    assert len(outputs["tp1"]) == 2
+    assert outputs["tp2"] == outputs["tp1"] and outputs["dep2"] == outputs["tp1"]
