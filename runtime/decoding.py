@@ -63,8 +63,7 @@ class Decoder:
         """
         self.ids.copy_(ids.view(self.batch_size, 1))
         if self.ids.device.type != "cuda":
-            logits = self._step()
-            return logits
+            return self._step()
         if self.graph is None:
             self._capture()
         self.graph.replay()
