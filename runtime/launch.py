@@ -293,6 +293,7 @@ class ForwardJob:
     # Builds and loads instead of the launcher's `load_model` (same signature, importable by name): the
     # tests use it for fp32 builds bound to the reference experts.
     loader: Callable | None = None
+    generate: int = 0                # > 0: greedy-decode this many tokens after the prompt (`model.generate`)
 
 
 def forward_rank(load_model: Callable, job: ForwardJob, rank: int, device: str) -> dict:
@@ -311,12 +312,17 @@ def forward_rank(load_model: Callable, job: ForwardJob, rank: int, device: str) 
         raise ValueError(f"{job.parallel} runs {layout.dp} data-parallel replicas with equal token counts: "
                          f"give a multiple of {layout.dp} rows, not {job.tokens.shape[0]}")
     rows = job.tokens.chunk(layout.dp)[layout.dp_rank(rank)]
+    described = {"build": type(model).__module__, "layout": (layout.tp, layout.moe_tp, layout.ep, layout.dp)}
+    if job.generate:
+        out = model.generate(rows.to(device), job.generate)
+        tokens = parallel.all_gather(out.tokens.to(device), dim=0, group=parallel.DP).cpu()
+        return {"tokens": tokens, "prefill_s": out.prefill_s, "decode_s": out.decode_s,
+                "tokens_per_s": out.tokens_per_s * layout.dp, **described}
     with torch.no_grad():
         logits = model(rows.to(device))
         dtype = str(logits.dtype).removeprefix("torch.")
         logits = parallel.all_gather(logits, dim=0, group=parallel.DP)
-    return {"logits": logits.float().cpu(), "dtype": dtype, "build": type(model).__module__,
-            "layout": (layout.tp, layout.moe_tp, layout.ep, layout.dp)}
+    return {"logits": logits.float().cpu(), "dtype": dtype, **described}
 
 
 def forward_jobs(rank: int, world: int, device: str, load_model: Callable, jobs: Sequence[ForwardJob]) -> list | None:
@@ -361,10 +367,18 @@ def _parse_tokens(rows: Sequence[str] | None, vocab: int, dp: int, seq_len: int,
 
 
 def summarize(target: RunTarget, result: dict, nproc: int, device: str, tokens: torch.Tensor) -> str:
-    """What rank 0 prints: which build ran where, and enough of the logits to compare runs by eye."""
+    """What rank 0 prints: which build ran where, and enough of the logits to compare runs by eye (or, for
+    `--generate`, the generated ids of every row and the decode rate)."""
+    lines = [f"{target.name}: {result['build']} on {parallel.ranks(nproc)} ({backend_for(device)}, {device})"]
+    if "tokens" in result:
+        generated = result["tokens"][:, tokens.shape[1]:]
+        for row in range(generated.shape[0]):
+            lines.append(f"row {row} ({tokens.shape[1]} tokens) generated: {', '.join(map(str, generated[row].tolist()))}")
+        lines.append(f"prefill {result['prefill_s'] * 1e3:.1f} ms; decode {generated.shape[1] - 1} steps of "
+                     f"{generated.shape[0]} rows in {result['decode_s'] * 1e3:.1f} ms: {result['tokens_per_s']:.1f} tokens/s")
+        return "\n".join(lines)
     logits = result["logits"]
-    lines = [
-        f"{target.name}: {result['build']} on {parallel.ranks(nproc)} ({backend_for(device)}, {device})",
+    lines += [
         f"logits {list(logits.shape)} {result['dtype']}: max |x| {logits.abs().max().item():.6g}, "
         f"mean {logits.mean().item():.6g}, std {logits.std().item():.6g}, sum {logits.sum().item():.6g}",
     ]
@@ -399,6 +413,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float,
                    help="seconds a rank waits in rendezvous or a collective before it fails "
                         f"(default: MOEGEN_DIST_TIMEOUT_S, else {DEFAULT_TIMEOUT_S:g})")
+    p.add_argument("--generate", type=int, default=0, metavar="N",
+                   help="greedy-decode N tokens after the prompt (static caches, CUDA graphs on a GPU) and print them")
     p.add_argument("--logits-out", help="write rank 0's logits and the run's description here (torch.save)")
     p.add_argument("--tiny-dir", help="with --tiny: write the checkpoint here (kept) instead of a temporary folder")
     return p
@@ -444,6 +460,10 @@ def main(argv: Sequence[str] | None = None, *, load_model: Callable, describe: C
         tokens = _parse_tokens(args.tokens, target.vocab_size, target.layout.dp, args.seq_len, args.seed)
     except ValueError as e:
         return refuse(str(e))
+    if args.generate < 0:
+        return refuse(f"--generate takes a number of tokens >= 1, got {args.generate}")
+    if args.generate and args.logits_out:
+        return refuse("--logits-out writes a forward's logits; it does not combine with --generate")
     if tokens.shape[0] % target.layout.dp:
         return refuse(f"{target.parallel} runs {target.layout.dp} data-parallel replicas with equal token counts: "
                       f"give a multiple of {target.layout.dp} rows to --tokens, not {tokens.shape[0]}")
@@ -460,7 +480,7 @@ def main(argv: Sequence[str] | None = None, *, load_model: Callable, describe: C
                 return refuse(f"cannot write a tiny checkpoint of {args.model}: {e}")
         selection = {k: v for k, v in (("backend", args.backend), ("tactic", args.tactic)) if v is not None}
         job = ForwardJob(args.model, args.sm, args.parallel, str(checkpoint), target.checkpoint_name, tokens,
-                         mode=args.mode, seed=args.seed, moe_config=selection or None)
+                         mode=args.mode, seed=args.seed, moe_config=selection or None, generate=args.generate)
         if torchrun:
             rank, world = init_distributed(args.device, timeout_s)
             device = rank_device(args.device, int(os.environ.get("LOCAL_RANK", rank)))

@@ -22,8 +22,9 @@ ALIGN = 8
 
 class _GroupedMmExperts(ExpertsBase):
     """Shape constraints: hidden_size and intermediate_size / moe_tp_size multiples of 8 (16-byte
-    strides for `torch._grouped_mm`). CUDA needs SM 9.0 or newer; CPU runs anywhere. Not CUDA-graph
-    capturable (the number of routed pairs is read back to size the permutation)."""
+    strides for `torch._grouped_mm`). CUDA needs SM 9.0 or newer; CPU runs anywhere. CUDA-graph
+    capturable: every (token, k) pair is permuted, the pairs of other ranks' experts sorted last, past
+    the last group offset, and their rows masked out, so no count is read back."""
 
     def __init__(self, spec: MoeLayerSpec, parallel: ExpertParallel = ExpertParallel(), device=None,
                  dtype: torch.dtype = torch.bfloat16):
@@ -112,7 +113,8 @@ class _GroupedMmExperts(ExpertsBase):
 
     # --- forward ----------------------------------------------------------------------------------
     def _pairs(self, topk_ids: torch.Tensor):
-        """(flat pair index, local expert) of the (token, k) pairs this rank computes, sorted by expert."""
+        """(flat pair index, local expert) of every (token, k) pair, sorted by local expert; a pair this rank
+        does not compute gets local expert `len(expert_ids)` (sorted last)."""
         idx = self._indices(topk_ids.device)
         ids = topk_ids.reshape(-1)
         valid = (ids >= 0) & (ids < self.spec.num_experts)
@@ -122,9 +124,9 @@ class _GroupedMmExperts(ExpertsBase):
             token = torch.arange(ids.numel(), device=ids.device) // topk_ids.shape[1]
             slot = idx["slot"][expert, token % idx["count"][expert]]
             local = torch.where(idx["mine"][slot], local, -1)
-        pair = torch.nonzero(local >= 0).squeeze(1)
-        local, order = torch.sort(local[pair], stable=True)
-        return pair[order], local
+        local = torch.where(local >= 0, local, len(self.expert_ids))
+        local, order = torch.sort(local, stable=True)
+        return order, local
 
     def _act_in(self, x: torch.Tensor) -> torch.Tensor:
         if self.FORMAT == "fp8_block_scales":
@@ -135,11 +137,15 @@ class _GroupedMmExperts(ExpertsBase):
         self._check_inputs(hidden, topk_ids, topk_weights)
         spec = self.spec
         out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-        pair, local = self._pairs(topk_ids)
-        if pair.numel() == 0:
+        if topk_ids.numel() == 0:  # a shape, known on the host
             return out.to(hidden.dtype)
+        pair, local = self._pairs(topk_ids)
+        n_local = len(self.expert_ids)
         token = pair // topk_ids.shape[1]
-        offs = torch.cumsum(torch.bincount(local, minlength=len(self.expert_ids)), 0).to(torch.int32)
+        # offs[e]: pairs of local experts 0..e; rows after offs[-1] (other ranks' pairs) are left unwritten.
+        offs = torch.searchsorted(local, torch.arange(n_local, device=local.device), right=True).to(torch.int32)
+        mine = local < n_local
+        local = local.clamp(max=n_local - 1)
 
         gu = torch._grouped_mm(self._act_in(hidden[token]), self.w13.transpose(1, 2), offs=offs).float()
         if spec.expert_bias:
@@ -149,7 +155,7 @@ class _GroupedMmExperts(ExpertsBase):
         y = torch._grouped_mm(self._act_in(h.to(hidden.dtype)), self.w2.transpose(1, 2), offs=offs).float()
         if self.adds_down_bias:
             y = y + self.b2[local].float()
-        y = y * topk_weights.reshape(-1)[pair, None].float()
+        y = torch.where(mine[:, None], y * topk_weights.reshape(-1)[pair, None].float(), 0.0)
         return out.index_add_(0, token, y).to(hidden.dtype)
 
 

@@ -124,9 +124,11 @@ class GQAttention(nn.Module):
         k = apply_rotary(k, cos, sin, self.interleaved_rope)
 
         if cache is None:
-            k_positions = positions
+            k, v, k_positions = k.transpose(1, 2), v.transpose(1, 2), positions
         else:
             k, v = cache.update(positions, k, v)
             k_positions = cache.positions
-        out = attention(q, k, v, positions, k_positions, self.scale, self.sliding_window, self.sinks)
+        out = attention(
+            q, k, v, positions, k_positions, self.scale, self.sliding_window, self.sinks, self_keys=cache is None
+        )
         return self.o_proj(out.reshape(batch, seq, -1))

@@ -3,9 +3,10 @@
 Keys and values come from one compressed latent per token (`kv_lora_rank` wide, RMS-normed) plus one
 rotated key part shared by all heads (`qk_rope_head_dim`); the cache stores exactly those two, which is
 the point of MLA. Queries come either straight from the hidden state (`q_lora_rank=None`, V2-Lite style)
-or through their own low-rank bottleneck. This is the plain form: cached latents are expanded through
-`kv_b_proj` on every step; absorbing `kv_b_proj` into the query and output is a later optimisation that
-would not change the checkpoint names.
+or through their own low-rank bottleneck. Without a cache (prefill of a whole sequence) the latents are
+expanded through `kv_b_proj` into per-head keys and values (also when a prompt is written into the
+cache); a one-token decode step runs in the absorbed form, in the latent space (`_absorbed`), reading the
+cache as it is stored instead of expanding all of it.
 
 Tensor parallelism splits the heads: `q_proj`/`q_b_proj` and `kv_b_proj` by output columns, `o_proj` by
 input rows. `q_a_proj`, `kv_a_proj_with_mqa` and the two latent norms are small and replicated.
@@ -86,10 +87,11 @@ class MLAttention(nn.Module):
     def new_cache(
         self, *, batch_size: int, max_seq_len: int, dtype: torch.dtype, device: torch.device | str | None = None
     ) -> StaticCache:
-        """Latent `[B, L, kv_lora_rank]` and rotated shared key `[B, L, 1, qk_rope_head_dim]`."""
+        """Latent `[B, 1, L, kv_lora_rank]` and rotated shared key `[B, 1, L, qk_rope_head_dim]`, packed in one
+        buffer (the absorbed decode reads both as one key)."""
         return StaticCache(
-            batch_size=batch_size, max_seq_len=max_seq_len, first_shape=(self.kv_lora_rank,),
-            second_shape=(1, self.qk_rope_head_dim), dtype=dtype, device=device,
+            batch_size=batch_size, max_seq_len=max_seq_len, first_shape=(1, self.kv_lora_rank),
+            second_shape=(1, self.qk_rope_head_dim), dtype=dtype, device=device, packed=True,
         )
 
     def forward(
@@ -113,15 +115,32 @@ class MLAttention(nn.Module):
         q_rot = apply_rotary(q_rot, cos, sin, self.interleaved_rope)
         k_rot = apply_rotary(k_rot.view(batch, seq, 1, self.qk_rope_head_dim), cos, sin, self.interleaved_rope)
 
+        if cache is not None and seq == 1:
+            return self.o_proj(self._absorbed(q_nope, q_rot, latent, k_rot, positions, cache).reshape(batch, seq, -1))
         if cache is None:
             k_positions = positions
-        else:
-            latent, k_rot = cache.update(positions, latent, k_rot)
+        else:  # a prompt written into the cache: expanded, as without a cache (the same rounding as a full forward)
+            latent, k_rot = cache.update(positions, latent[:, :, None], k_rot)
+            latent, k_rot = latent[:, 0], k_rot.transpose(1, 2)
             k_positions = cache.positions
         length = latent.shape[1]
         kv = self.kv_b_proj(latent).view(batch, length, self.local_heads, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = kv.split((self.qk_nope_head_dim, self.v_head_dim), dim=-1)
         k = torch.cat((k_nope, k_rot.expand(batch, length, self.local_heads, self.qk_rope_head_dim)), dim=-1)
         q = torch.cat((q_nope, q_rot), dim=-1)
-        out = attention(q, k, v, positions, k_positions, self.scale)
+        out = attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), positions, k_positions, self.scale, self_keys=cache is None
+        )
         return self.o_proj(out.reshape(batch, seq, -1))
+
+    def _absorbed(self, q_nope, q_rot, latent, k_rot, positions, cache: StaticCache) -> torch.Tensor:
+        """Attention in the latent space over the cache: `q_nope . (W_uk c) = (W_uk^T q_nope) . c`, so each
+        query head scores the cached latents `c` directly (one shared key head `[c, k_rot]`, the packed
+        cache as it is), and `W_uv` maps the attended latent to the head's values afterwards. The cache is
+        never expanded through `kv_b_proj`."""
+        cache.update(positions, latent[:, :, None], k_rot)
+        w = self.kv_b_proj.weight.view(self.local_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w_uk, w_uv = w.split((self.qk_nope_head_dim, self.v_head_dim), dim=1)
+        q = torch.cat((torch.einsum("bshd,hdr->bshr", q_nope, w_uk), q_rot), dim=-1)
+        out = attention(q, cache.packed, cache.first, positions, cache.positions, self.scale)
+        return torch.einsum("bshr,hvr->bshv", out, w_uv)

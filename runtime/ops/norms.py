@@ -3,7 +3,8 @@
 The statistic is always computed in fp32. Where the weight is applied differs by family, and it shows in
 bf16: Llama-style models (DeepSeek, Qwen3, Mixtral, GLM, MiniMax) cast the normalised vector back to the
 input dtype and then multiply by the weight; gpt-oss and Qwen3-Next multiply in fp32 and cast last. That
-is the `multiply_in_fp32` switch, so a build reproduces its reference to the last bit it can.
+is the `multiply_in_fp32` switch, so a build reproduces its reference to the last bit it can. On CUDA
+`RMSNorm` runs as one Triton kernel (`runtime.kernels.rms_norm`) with the same numerics.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from runtime import parallel
+from runtime.kernels import rms_norm as rms_norm_kernel
 from runtime.ops.linear import new_param, split
 
 
@@ -34,6 +36,8 @@ class RMSNorm(nn.Module):
         self.weight = new_param(hidden_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if rms_norm_kernel.applies(x, self.weight):
+            return rms_norm_kernel.rms_norm(x, self.weight, self.eps, self.multiply_in_fp32, self.zero_centered)
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
         if self.multiply_in_fp32:

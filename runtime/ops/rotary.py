@@ -21,6 +21,8 @@ import math
 import torch
 import torch.nn as nn
 
+from runtime.kernels import rotary as rotary_kernel
+
 
 def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
     """theta_i = base^(-2i/d) for i < d/2, in fp32."""
@@ -111,7 +113,10 @@ class RotaryEmbedding(nn.Module):
 
     Computed per call from `inv_freq` (a few hundred multiplies per token) instead of a max-length table:
     no length limit to declare, nothing to rebuild after a move, and no host sync. `inv_freq` is computed
-    on the CPU at construction (also under a meta-device context) and follows the module on `.to()`.
+    on the CPU at construction and placed on the device the module is constructed on (under
+    `with torch.device(...)`), so a CUDA forward reads no host tensor and a decode step captures in a
+    CUDA graph; under a meta-device context it stays on the CPU (meta tensors hold no values). It
+    follows the module on `.to()`.
     """
 
     def __init__(
@@ -150,9 +155,13 @@ class RotaryEmbedding(nn.Module):
         else:
             raise ValueError(f"unsupported rotary scaling {scaling!r}; expected default, yarn or llama3")
         self.attention_scaling = float(attention_factor) if attention_factor is not None else float(attn)
+        device = torch.get_default_device()
+        if device.type != "meta":
+            inv_freq = inv_freq.to(device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # `.to` is a no-op on the construction device; it only moves a table of a meta-constructed build.
         angles = positions.float()[..., None] * self.inv_freq.to(positions.device)
         return angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling
 
@@ -162,7 +171,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interlea
 
     `cos`/`sin` are `[S, rotary_dim / 2]`. They are cast to `x.dtype` first and the rotation runs in that
     dtype, as in transformers, so bf16 builds round where the reference rounds.
+    On CUDA, half-split pairs run as one Triton kernel (`runtime.kernels.rotary`) with the same rounding.
     """
+    if rotary_kernel.applies(x, cos, interleaved):
+        return rotary_kernel.apply(x, cos, sin, interleaved)
     half = cos.shape[-1]
     rot, rest = x[..., : 2 * half], x[..., 2 * half :]
     c = cos.to(x.dtype)[:, None, :]

@@ -192,7 +192,8 @@ def test_mla_cache_holds_only_the_latent_and_the_shared_rotated_key():
     ours = MLAttention(hidden_size=64, num_heads=4, q_lora_rank=None, kv_lora_rank=24, qk_nope_head_dim=16,
                        qk_rope_head_dim=8, v_head_dim=12, softmax_scale=0.2)
     cache = ours.new_cache(batch_size=3, max_seq_len=7, dtype=torch.bfloat16)
-    assert cache.first.shape == (3, 7, 24) and cache.second.shape == (3, 7, 1, 8)
+    assert cache.first.shape == (3, 1, 7, 24) and cache.second.shape == (3, 1, 7, 8)
+    assert cache.first.untyped_storage().data_ptr() == cache.second.untyped_storage().data_ptr()
 
 
 def test_kv_heads_split_or_replicate_over_tensor_parallel_ranks():

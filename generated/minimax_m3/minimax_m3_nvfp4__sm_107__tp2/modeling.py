@@ -15,6 +15,7 @@ from torch import nn
 
 from runtime import build
 from runtime.checkpoint import load_checkpoint
+from runtime.decoding import CausalLM
 from runtime.experts.base import ExpertParallel, MoeLayerSpec
 from runtime.ops import GQAttention, LMHead, MoEBlock, RMSNorm, RotaryEmbedding, VocabEmbedding
 from runtime.parallel import Layout, attach_layout
@@ -194,8 +195,9 @@ class Backbone(nn.Module):
         self.rotary_emb = make_rotary()
 
 
-class MinimaxM3Nvfp4Sm107Tp2ForCausalLM(nn.Module):
-    """`forward(input_ids [B, S], positions [S] = arange(S), caches=None) -> logits [B, S, vocab]`."""
+class MinimaxM3Nvfp4Sm107Tp2ForCausalLM(CausalLM):
+    """`forward(input_ids [B, S], positions [S] = arange(S), caches=None) -> logits [B, S, vocab]`; decoding
+    (`decoder`, `generate`) from `runtime.decoding.CausalLM`."""
 
     def __init__(self, device="cpu", rank=0, dtype=torch.bfloat16):
         super().__init__()
@@ -213,25 +215,6 @@ class MinimaxM3Nvfp4Sm107Tp2ForCausalLM(nn.Module):
                 hidden_size=HIDDEN_SIZE, vocab_size=VOCAB_SIZE, tp_rank=self.layout.tp_rank(rank), tp_size=self.layout.tp, dtype=dtype
             )
         build.log_implementations(implementations)
-
-    def new_caches(self, batch_size, max_seq_len):
-        return [
-            layer.self_attn.new_cache(batch_size=batch_size, max_seq_len=max_seq_len, dtype=self.dtype, device=self.device)
-            for layer in self.model.layers
-        ]
-
-    def hidden_states(self, input_ids, positions=None, caches=None):
-        """The final-norm hidden states `[B, S, H]` (what a draft reads)."""
-        if positions is None:
-            positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
-        hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary_emb(positions)
-        for i, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, positions, cos, sin, None if caches is None else caches[i])
-        return self.model.norm(hidden)
-
-    def forward(self, input_ids, positions=None, caches=None):
-        return self.lm_head(self.hidden_states(input_ids, positions, caches))
 
     def load_checkpoint(self, path, progress=None):
         """Read this rank's weights from an HF checkpoint folder (a failed load changes nothing)."""

@@ -1,0 +1,459 @@
+"""The build as a whole on one H200 (PERFORMANCE.md §0): prefill and CUDA-graph decode steps of a generated
+build at real layer shapes, reduced to its first decoder layers, against transformers on the same weights
+(device machine; a script, not a test).
+
+    python3 bench/build.py [--model qwen3_30b_a3b] [--layers 4] [--out DIR] [--no-compile]
+
+Scope: a checkpoint that transformers saves (`from_config` with random weights, `save_pretrained`) at the
+model's real shapes and vocabulary, cut to `--layers` decoder layers; the specialized build, the generic
+build and the TORCH-bound (generic) build load it through `generated.load_model`; transformers' own model
+loads it too (bf16, its default attention; and, unless --no-compile, its static cache with
+`torch.compile(mode="reduce-overhead")`). Prefill: 2048 tokens, batch 1, eager. Decode: one step at batch
+1, 8 and 32 with 1024 tokens in the cache; the builds replay their `runtime.decoding.Decoder` step (a CUDA
+graph). Every time stands next to its parity against transformers' bf16 eager logits on the same inputs
+(relative error, top-1 agreement). R_roof = bytes the step must read / copy bandwidth / step time.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+PREFILL = 2048
+CACHED = 1024
+BATCHES = (1, 8, 32)
+
+
+def events_ms(fn, reps: int, warmup: int = 3) -> float:
+    """Median milliseconds of `fn()` over `reps` calls, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    """Device copy bytes (read + written) per second, eager `copy_` of 2 GiB."""
+    src = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = events_ms(lambda: dst.copy_(src), 10)
+    return 2 * src.nbytes / (ms * 1e-3)
+
+
+def parity(ours: torch.Tensor, ref: torch.Tensor) -> dict:
+    ours, ref = ours.float().reshape(-1, ours.shape[-1]), ref.float().reshape(-1, ref.shape[-1])
+    rel = float((ours - ref).norm() / ref.norm())
+    top1 = float((ours.argmax(-1) == ref.argmax(-1)).float().mean())
+    return {"rel_err": rel, "top1": top1}
+
+
+# -- the checkpoint -----------------------------------------------------------------------------------
+
+
+def hf_config(model: str, layers: int):
+    from transformers import AutoConfig
+
+    facts = importlib.import_module(f"generated.{model}.facts")
+    config = {k: v for k, v in facts.CONFIG.items() if k != "architectures"}
+    config["num_hidden_layers"] = layers
+    if "layer_types" in config:
+        config["layer_types"] = config["layer_types"][:layers]
+    return AutoConfig.for_model(facts.FAMILY, **config), facts
+
+
+def save_checkpoint(model: str, layers: int, folder: Path, device: str = "cuda"):
+    """transformers' model of `model` cut to `layers`, random weights, saved to `folder`: by
+    `save_pretrained` for bf16 models; gpt-oss in its hub MXFP4 layout (experts as `*_blocks`/`*_scales`,
+    quantized by runtime.formats.mxfp4, and transformers' copy holding the dequantized values, so both
+    sides compute with the same weights)."""
+    from transformers import AutoModelForCausalLM
+
+    config, facts = hf_config(model, layers)
+    torch.manual_seed(0)
+    extra = {"attn_implementation": "eager"} if facts.FAMILY == "gpt_oss" else {}  # sinks need eager
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, **extra)
+    with torch.no_grad():  # transformers leaves norms at 1 and biases at 0: give every tensor values
+        for name, t in hf.state_dict().items():
+            if t.is_floating_point():
+                t.copy_((1.0 + 0.1 * torch.randn_like(t, dtype=torch.float32)) if "norm" in name
+                        else 0.02 * torch.randn_like(t, dtype=torch.float32))
+    if facts.FAMILY != "gpt_oss":
+        hf.save_pretrained(folder)
+        return hf.eval()
+    from safetensors.torch import save_file
+
+    from runtime.formats import mxfp4
+
+    tensors = {}
+    with torch.no_grad():
+        for name, t in hf.state_dict().items():
+            if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                tensors[name] = t.contiguous().cpu()
+                continue
+            blocks, scales = [], []
+            for e in range(0, t.shape[0], 8):  # transformers' layout is input-major [E, in, out]; the hub's out-major
+                packed, bits = mxfp4.quantize_mxfp4(t[e:e + 8].transpose(1, 2).contiguous().float())
+                t[e:e + 8].copy_(mxfp4.dequantize_mxfp4(packed, bits, torch.bfloat16).transpose(1, 2))
+                blocks.append(mxfp4.canonical_to_gpt_oss_blocks(packed).cpu())
+                scales.append(bits.cpu())
+            tensors[name + "_blocks"], tensors[name + "_scales"] = torch.cat(blocks), torch.cat(scales)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    cfg = hf.config.to_dict()
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+    }
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
+    return hf.eval()
+
+
+# -- the builds ---------------------------------------------------------------------------------------
+
+
+def load_build(model: str, sm: int, layers: int, folder: Path, variant: str, device: str = "cuda"):
+    """`variant`: specialized (mode require), generic (mode off), torch (generic, backend TORCH)."""
+    from generated import load_model
+    from generated._router_index import INDEX
+
+    # The generated builds know the model's full layer plan; this run loads its first `layers` layers.
+    spec = importlib.import_module(INDEX["models"][model]["generic"], "generated")
+    resolve = spec.resolve_build
+
+    def first_layers(*args, **kwargs):
+        built = resolve(*args, **kwargs)
+        return dataclasses.replace(built, layers=built.layers[:layers])
+
+    spec.resolve_build = first_layers
+    saved = {}
+    for target in INDEX["targets"]:
+        if target["model"] == model:
+            module = importlib.import_module("generated" + target["module"])
+            saved[module] = module.LAYERS
+            module.LAYERS = module.LAYERS[:layers]
+    try:
+        kwargs = {"specialized": dict(mode="require"), "generic": dict(mode="off"),
+                  "torch": dict(mode="off", moe_config={"backend": "TORCH"})}[variant]
+        built = load_model(model, sm, checkpoint=str(folder), device=device, **kwargs)
+    finally:
+        spec.resolve_build = resolve
+        for module, value in saved.items():
+            module.LAYERS = value
+    return built.eval()
+
+
+def decode_bytes(config, batch: int, kv_len: int) -> int:
+    """Bytes one decode step must read: every weight it touches, the active experts for uniform routing
+    (bf16, or MXFP4 at 0.53125 bytes per weight for gpt-oss, its biases bf16), the embedding rows, and
+    the KV cache (a sliding layer's window only), all else bf16."""
+    c = config
+    h, heads, kv, d = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    gpt_oss = c.model_type == "gpt_oss"
+    attn = 2 * (h * heads * d * 2 + h * kv * d * 2 + 2 * d + h)  # q, o; k, v; q/k norms; input norm
+    experts = c.num_local_experts if gpt_oss else c.num_experts
+    inter = c.intermediate_size if gpt_oss else c.moe_intermediate_size
+    active = experts * (1 - (1 - c.num_experts_per_tok / experts) ** batch)
+    per_expert = 3 * h * inter * 0.53125 + 2 * (3 * inter + h) if gpt_oss else 3 * h * inter * 2
+    layer = attn + 2 * (experts * h + h) + active * per_expert
+    windows = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
+    cache = sum(batch * (min(kv_len, c.sliding_window) if t == "sliding_attention" else kv_len) * kv * d * 2 * 2
+                for t in windows)
+    return int(c.num_hidden_layers * layer + 2 * (c.vocab_size * h + h + batch * h) + cache)
+
+
+# -- measurements -------------------------------------------------------------------------------------
+
+
+def bench_build(model, name, ids, hf_ref, results):
+    from runtime.decoding import Decoder
+
+    kept = {}
+    with torch.no_grad():
+        logits = model(ids[:1])
+        row = {"variant": name, "build": type(model).__module__, "prefill": parity(logits[0], hf_ref["prefill"])}
+        kept["prefill"] = logits[0].cpu()
+        del logits
+        row["prefill_ms"] = events_ms(lambda: model(ids[:1]), 10)
+        for batch in BATCHES:
+            decoder = Decoder(model, batch, CACHED + 64)
+            decoder.prefill(ids[:batch, :CACHED])
+            step_ids = ids[:batch, CACHED]
+            logits = decoder.step(step_ids).clone()  # captures
+            row[f"decode_b{batch}"] = parity(logits, hf_ref[f"decode_b{batch}"])
+            kept[f"decode_b{batch}"] = logits.cpu()
+
+            def replay():
+                decoder.position.fill_(CACHED)
+                decoder.graph.replay()
+
+            row[f"decode_b{batch}_ms"] = events_ms(replay, 50, warmup=5)
+            del decoder
+    results.append(row)
+    print(json.dumps(row), flush=True)
+    return kept
+
+
+def fp32_parity(hf, ids, refs, kept_by_variant, report):
+    """Parity against transformers in fp32 (same bf16 weights, upcast): the noise floor of bf16 itself
+    (transformers' own bf16 logits against it) next to each build's."""
+    hf = hf.float()
+    out = {}
+    with torch.no_grad():
+        truth = {"prefill": hf(ids[:1]).logits[0]}
+        for batch in BATCHES:
+            from transformers import DynamicCache
+
+            cache = DynamicCache(config=hf.config)
+            hf(ids[:batch, :CACHED], past_key_values=cache, use_cache=True)
+            truth[f"decode_b{batch}"] = hf(ids[:batch, CACHED:CACHED + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+            del cache
+    out["transformers_bf16"] = {k: parity(refs[k], v) for k, v in truth.items()}
+    for variant, kept in kept_by_variant.items():
+        out[variant] = {k: parity(kept[k].cuda(), v) for k, v in truth.items()}
+    report["fp32_parity"] = out
+    print(json.dumps({"fp32_parity": out}), flush=True)
+
+
+def transformers_refs(hf, ids):
+    """transformers bf16 eager: prefill logits, and one decode step after CACHED tokens at each batch."""
+    from transformers import DynamicCache
+
+    refs, times = {}, {}
+    with torch.no_grad():
+        refs["prefill"] = hf(ids[:1]).logits[0]
+        times["prefill_ms"] = events_ms(lambda: hf(ids[:1]), 10)
+        for batch in BATCHES:
+            cache = DynamicCache(config=hf.config)
+            hf(ids[:batch, :CACHED], past_key_values=cache, use_cache=True)
+            step = ids[:batch, CACHED:CACHED + 1]
+            refs[f"decode_b{batch}"] = hf(step, past_key_values=cache, use_cache=True).logits[:, -1]
+
+            def one():  # the cache grows by one token a call: 1024 -> 1047 over the timed calls
+                hf(step, past_key_values=cache, use_cache=True)
+
+            times[f"decode_b{batch}_ms"] = events_ms(one, 20)
+    return refs, times
+
+
+def transformers_compiled(hf, ids, refs):
+    """transformers with its static cache and `torch.compile(mode="reduce-overhead")` on the decode step."""
+    from transformers import StaticCache
+
+    out = {}
+    compiled = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        for batch in BATCHES:
+            cache = StaticCache(config=hf.config, max_cache_len=CACHED + 64)
+            hf(ids[:batch, :CACHED], past_key_values=cache, use_cache=True,
+               cache_position=torch.arange(CACHED, device="cuda"))
+            step = ids[:batch, CACHED:CACHED + 1].clone()
+            pos = torch.tensor([CACHED], device="cuda")
+
+            def one():
+                return compiled(input_ids=step, past_key_values=cache, use_cache=True, cache_position=pos,
+                                position_ids=pos[None].expand(batch, 1)).logits
+
+            t0 = time.perf_counter()
+            logits = one()
+            logits = one()
+            torch.cuda.synchronize()
+            out[f"compile_b{batch}_s"] = time.perf_counter() - t0
+            out[f"decode_b{batch}"] = parity(logits[:, -1], refs[f"decode_b{batch}"])
+            out[f"decode_b{batch}_ms"] = events_ms(one, 50, warmup=5)
+    return out
+
+
+def graph_us(fn, replays: int = 20) -> float:
+    """Microseconds of one `fn()` captured in a CUDA graph (median over batches of `replays` replays)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+
+    def batch():
+        for _ in range(replays):
+            graph.replay()
+
+    return 1e3 * events_ms(batch, 10) / replays
+
+
+def _bmm_folded(q, k, v, qp, kp, scale):
+    from runtime.ops.attention_core import allowed_keys
+
+    b, s, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    qf = q.view(b, s, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * s, d)
+    logits = torch.matmul(qf, k.transpose(-1, -2)).float() * scale
+    logits = logits.masked_fill(~allowed_keys(qp, kp, None).repeat(g, 1), float("-inf"))
+    return torch.matmul(torch.softmax(logits, -1).to(v.dtype), v)
+
+
+def profile_step(model, ids, batch: int, top: int = 14) -> dict:
+    """Device time per kernel name over 3 eager decode steps (the kernels a replay runs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from runtime.decoding import Decoder
+
+    decoder = Decoder(model, batch, CACHED + 64)
+    with torch.no_grad():
+        decoder.prefill(ids[:batch, :CACHED])
+        decoder.ids.copy_(ids[:batch, CACHED:CACHED + 1])
+        decoder._step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                decoder.position.fill_(CACHED)
+                decoder._step()
+            torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0:
+            rows.append((t / 3, e.count // 3, e.key[:90]))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    return {"total_us": total, "kernels_per_step": sum(r[1] for r in rows),
+            "top": [f"{t:8.1f} us x{c:3d} {k}" for t, c, k in rows[:top]]}
+
+
+def attention_micro():
+    """Decode attention alone at qwen3 shapes (Hq 32, Hkv 4, D 128) over 1088 cached slots: the folded
+    fused path, SDPA with enable_gqa and a [S, L] mask, the eager reference."""
+    import torch.nn.functional as F
+
+    from runtime.ops import attention_fused
+    from runtime.ops.attention_core import allowed_keys, eager_attention
+
+    rows = {}
+    length = CACHED + 64
+    for batch in BATCHES:
+        q = torch.randn(batch, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(batch, 4, length, 128, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        qp, kp = torch.tensor([CACHED], device="cuda"), torch.arange(length, device="cuda")
+        rows[f"b{batch}_folded_us"] = graph_us(lambda: attention_fused.attention(q, k, v, qp, kp, 0.088))
+        rows[f"b{batch}_gqa_mask_us"] = graph_us(
+            lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=allowed_keys(qp, kp, None),
+                                                   enable_gqa=True))
+        rows[f"b{batch}_bmm_folded_us"] = graph_us(lambda: _bmm_folded(q, k, v, qp, kp, 0.088))
+        rows[f"b{batch}_eager_us"] = graph_us(lambda: eager_attention(q, k, v, qp, kp, 0.088))
+        sinks = torch.randn(32, device="cuda", dtype=torch.bfloat16)
+        rows[f"b{batch}_folded_sinks_us"] = graph_us(lambda: attention_fused.attention(q, k, v, qp, kp, 0.088, None, sinks))
+        rows[f"b{batch}_kv_bytes"] = k.nbytes + v.nbytes
+    q = torch.randn(1, PREFILL, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 4, PREFILL, 128, device="cuda", dtype=torch.bfloat16)
+    pos = torch.arange(PREFILL, device="cuda")
+    rows["prefill_causal_us"] = 1e3 * events_ms(lambda: attention_fused.attention(q, k, k, pos, pos, 0.088, self_keys=True), 20)
+    rows["prefill_eager_us"] = 1e3 * events_ms(lambda: eager_attention(q, k, k, pos, pos, 0.088), 5)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="qwen3_30b_a3b")
+    parser.add_argument("--sm", type=int, default=90)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--variants", default="specialized,generic,torch")
+    parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="kernel times of the specialized build's decode step")
+    parser.add_argument("--fp32-parity", action="store_true",
+                        help="also compare every build and transformers' bf16 logits with transformers in fp32")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    args = parser.parse_args()
+    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
+              "layers": args.layers, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    report["copy_tb_s"] = copy_bandwidth() / 1e12
+    print(json.dumps(report), flush=True)
+    try:
+        report["attention_micro"] = attention_micro()
+        print(json.dumps(report["attention_micro"]), flush=True)
+    except Exception:  # noqa: BLE001 - a failed section is reported, the others still run
+        report["attention_micro_error"] = traceback.format_exc()
+        print(report["attention_micro_error"], flush=True)
+
+    folder = Path(tempfile.mkdtemp(prefix="moegen-bench-"))
+    t0 = time.perf_counter()
+    hf = save_checkpoint(args.model, args.layers, folder)
+    report["checkpoint_s"] = time.perf_counter() - t0
+    config = hf.config
+    vocab = config.vocab_size
+    ids = torch.randint(0, vocab, (max(BATCHES), PREFILL), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    refs, hf_times = transformers_refs(hf, ids)
+    report["transformers_eager"] = hf_times
+    print(json.dumps({"transformers_eager": hf_times}), flush=True)
+    report["bytes"] = {f"decode_b{b}": decode_bytes(config, b, CACHED + 1) for b in BATCHES}
+
+    results, kept = [], {}
+    for variant in args.variants.split(","):
+        try:
+            model = load_build(args.model, args.sm, args.layers, folder, variant)
+            kept[variant] = bench_build(model, variant, ids, refs, results)
+            if variant == "specialized" and args.profile:
+                report["profile"] = {f"b{b}": profile_step(model, ids, b) for b in (1, 32)}
+                print(json.dumps(report["profile"], indent=1), flush=True)
+            del model
+        except Exception:  # noqa: BLE001
+            results.append({"variant": variant, "error": traceback.format_exc()})
+            print(results[-1]["error"], flush=True)
+        torch.cuda.empty_cache()
+    report["builds"] = results
+    if not args.no_compile:
+        try:
+            report["transformers_compiled"] = transformers_compiled(hf, ids, refs)
+        except Exception:  # noqa: BLE001
+            report["transformers_compiled_error"] = traceback.format_exc()
+            print(report["transformers_compiled_error"], flush=True)
+    if args.fp32_parity:
+        try:
+            fp32_parity(hf, ids, refs, kept, report)
+        except Exception:  # noqa: BLE001
+            report["fp32_parity_error"] = traceback.format_exc()
+            print(report["fp32_parity_error"], flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"build_{args.model}.json").write_text(json.dumps(report, indent=1))
+
+    bw = report["copy_tb_s"] * 1e12
+    print(f"\n{args.model}, {args.layers} layers, {report['gpu']}, copy {report['copy_tb_s']:.2f} TB/s")
+    print("| variant | prefill 2048 ms (rel, top1) | " + " | ".join(f"decode B={b} ms (R_roof; rel, top1)" for b in BATCHES) + " |")
+    rows = [{"variant": "transformers eager", **hf_times}] + results
+    if "transformers_compiled" in report:
+        rows.append({"variant": "transformers static+compile", **report["transformers_compiled"]})
+    for row in rows:
+        if "error" in row:
+            print(f"| {row['variant']} | error: {row['error'].strip().splitlines()[-1]} |")
+            continue
+        cells = [row["variant"]]
+        p = row.get("prefill")
+        cells.append(f"{row['prefill_ms']:.2f}" + (f" ({p['rel_err']:.3f}, {p['top1']:.3f})" if p else "")
+                     if "prefill_ms" in row else "-")
+        for b in BATCHES:
+            ms = row[f"decode_b{b}_ms"]
+            roof = report["bytes"][f"decode_b{b}"] / bw / (ms * 1e-3)
+            d = row.get(f"decode_b{b}")
+            cells.append(f"{ms:.3f} ({roof:.2f}" + (f"; {d['rel_err']:.3f}, {d['top1']:.3f})" if d else ")"))
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
