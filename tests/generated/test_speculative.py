@@ -1,0 +1,282 @@
+"""Speculative decoding (runtime/speculative.py, RULES SD1-SD3) on the CPU with the generated tiny builds in fp32: the
+output is the target's own greedy output token for token, with the MTP drafts of DeepSeek-V3 and GLM-4 MoE (loaded by
+`load_model` from a checkpoint that carries the MTP layer) and with external drafters; acceptance counts are exact
+where the draft's behaviour is known (a drafter with the target's weights always agrees; one wrong on purpose at a
+given step agrees exactly before it); the MTP draft in the loop reads exactly the accepted tokens and target hidden
+states (its logits equal its uncached forward over the final sequence); a drafter of another vocabulary is refused.
+
+Oracles: greedy decoding by the build's uncached full-sequence forward (no cache, no decoder: another code path
+over the same weights), and the draft's own uncached forward. Random weights (init_random, or transformers'
+checkpoint with a random MTP layer).
+"""
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from runtime import speculative
+from runtime.ops import LMHead, VocabEmbedding
+from runtime.speculative import ExternalDrafter, Speculation
+from tests.generated import builds
+
+NEW = 32
+MTP_MODELS = ("tiny_deepseek_v3", "tiny_glm4_moe")
+EXTERNAL_TARGETS = ("tiny_qwen3_moe", "tiny_deepseek_v3")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _vanilla_experts():
+    """The builds run with the VANILLA experts of their format (fp32 GEMMs; the experts contract makes them
+    interchangeable with the bound TORCH class, whose bf16 GEMMs round differently for 1 and k+1 tokens
+    (~1e-4 relative), enough to flip a near-tie of two logits between a cached verify and the uncached
+    oracle now and then: SD1 is exact only where the arithmetic is)."""
+    from runtime.experts.vanilla import TorchEagerBf16Experts
+
+    modules = [builds.load("generated" + _bf16_target(m)["module"]) for m in {*MTP_MODELS, *EXTERNAL_TARGETS, "tiny_mixtral"}]
+    modules += [builds.load("generated" + _bf16_target(m)["module"].replace(".modeling", ".draft")) for m in MTP_MODELS]
+    with pytest.MonkeyPatch.context() as patch:
+        for module in modules:
+            patch.setattr(module, "IMPLEMENTATIONS", {i: (TorchEagerBf16Experts, "VANILLA") for i in module.IMPLEMENTATIONS})
+            patch.setattr(module, "CPU_IMPLS", tuple(module.IMPLEMENTATIONS))
+        yield
+
+
+def _bf16_target(model: str) -> dict:
+    return next(t for t in builds.specialized(model) if builds.single_rank(t) and t["checkpoint"].endswith("_bf16"))
+
+
+def _build(model: str, seed: int):
+    built = builds.load("generated" + _bf16_target(model)["module"]).MODEL_CLASS(dtype=torch.float32)
+    built.init_random(seed=seed)
+    return built.eval()
+
+
+def _greedy_reference(model, prompt: torch.Tensor, n: int) -> torch.Tensor:
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat((ids, model(ids)[:, -1].argmax(-1, keepdim=True)), dim=1)
+    return ids
+
+
+class Recording:
+    """A draft that passes every call through and keeps (positions, ids, logits, step) of each."""
+
+    def __init__(self, draft):
+        self.draft, self.INPUT, self.calls = draft, draft.INPUT, []
+
+    def new_caches(self, batch_size, max_seq_len):
+        return self.draft.new_caches(batch_size, max_seq_len)
+
+    def to_target_ids(self, ids):
+        return self.draft.to_target_ids(ids)
+
+    def forward(self, ids, hidden, positions, cache, step=0):
+        logits, out = self.draft.forward(ids, hidden, positions, cache, step)
+        self.calls.append((positions.clone(), ids.clone(), logits.clone(), step))
+        return logits, out
+
+
+class WrongAt(ExternalDrafter):
+    """An external drafter whose proposal at draft step `step` of every round is off by one id in row `row`."""
+
+    def __init__(self, model, target, step, row):
+        super().__init__(model, target)
+        self.wrong_step, self.row = step, row
+
+    def forward(self, ids, hidden, positions, cache, step=0):
+        logits, out = super().forward(ids, hidden, positions, cache, step)
+        if step == self.wrong_step:
+            logits = logits.clone()
+            logits[self.row] = logits[self.row].roll(1, dims=-1)  # its argmax moves to the next id
+        return logits, out
+
+
+@pytest.fixture(scope="module", params=MTP_MODELS)
+def mtp_case(request):
+    """load_model under speculative_config mode mtp, from a checkpoint holding the MTP layer (fp32)."""
+    from generated import load_model
+
+    model = request.param
+    folder = builds.mtp_checkpoint(model)
+    target = load_model(model, 90, checkpoint=str(folder), checkpoint_name=f"{model}_bf16",
+                        speculative_config={"mode": "mtp"}, dtype=torch.float32, mode="require").eval()
+    return model, target
+
+
+def test_load_model_attaches_the_mtp_draft_build_with_its_own_tensors(mtp_case):
+    model, target = mtp_case
+    draft = target.draft
+    assert type(draft).__module__ == "generated" + _bf16_target(model)["module"].replace(".modeling", ".draft")
+    assert draft.INPUT == "hidden"
+    # Outside the target's module tree: the target's parameters are its own.
+    assert not any(name.startswith("draft") for name, _ in target.named_parameters())
+    tensors = builds.read_tensors(builds.mtp_checkpoint(model))
+    (index, _), = builds.load(type(draft).__module__).DRAFT_LAYERS
+    block = draft.model.layers[str(index)]
+    assert torch.equal(block.eh_proj.weight, tensors[f"model.layers.{index}.eh_proj.weight"].float())
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_mtp_speculative_greedy_is_the_target_greedy(mtp_case, k):
+    _, target = mtp_case
+    prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=5)
+    out = target.generate(prompt, NEW, speculative=k)
+    assert torch.equal(out.tokens, _greedy_reference(target, prompt, NEW))
+    assert out.note is None and out.proposed == k * out.rounds
+    # Every round yields a + 1 tokens: the first token (prefill) plus the rounds' reach the 32, the round
+    # before the last did not.
+    assert 1 + out.rounds + out.accepted >= NEW > out.rounds + out.accepted - k
+    assert out.acceptance_length == pytest.approx((out.accepted + out.rounds) / out.rounds)
+
+
+def test_the_mtp_draft_reads_the_accepted_tokens_and_target_hidden_states(mtp_case):
+    """Each catch-up block's entries up to the accepted index equal the draft's uncached forward over the
+    final sequence (tokens shifted by one, the target's uncached final-norm hidden states): the draft's
+    cache was rolled back and rewritten with exactly what the target accepted."""
+    _, target = mtp_case
+    k = 3
+    recording = Recording(target.draft)
+    prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=6)
+    out = target.generate(prompt, NEW, speculative=Speculation(k, recording))
+    seq = out.tokens
+    with torch.no_grad():
+        hidden = target.hidden_states(seq)
+        reference, _ = target.draft(seq[:, 1:], hidden[:, :-1])  # entry i predicts the token at i + 2
+    blocks = [(int(p[0]), ids, logits) for p, ids, logits, step in recording.calls if step == 0]
+    prefill, blocks = blocks[0], blocks[1:]
+    assert prefill[0] == 0 and prefill[1].shape[1] == prompt.shape[1] - 1
+    assert builds.rel_err(prefill[2], reference[:, :prompt.shape[1] - 1]) < 1e-3
+    checked = 0
+    for (start, ids, logits), (following, _, _) in zip(blocks, blocks[1:]):
+        valid = following - start  # entries start .. following-1 hold accepted tokens
+        assert 1 <= valid <= k + 1
+        assert torch.equal(ids[:, :valid], seq[:, start + 1:following + 1])
+        assert builds.rel_err(logits[:, :valid], reference[:, start:following]) < 1e-3
+        checked += valid
+    assert checked >= NEW - k - 2
+
+
+
+@pytest.mark.parametrize("model", EXTERNAL_TARGETS)
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_drafter_with_the_target_weights_is_accepted_k_plus_1_per_step(model, k):
+    target, twin = _build(model, seed=3), _build(model, seed=3)
+    prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=4)
+    out = target.generate(prompt, NEW, speculative=Speculation(k, ExternalDrafter(twin, target)))
+    assert torch.equal(out.tokens, _greedy_reference(target, prompt, NEW))
+    assert out.rounds == math.ceil((NEW - 1) / (k + 1))
+    assert out.accepted == out.proposed == k * out.rounds
+    assert out.acceptance_length == k + 1
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_drafter_of_another_family_gives_the_target_greedy(k):
+    target, drafter = _build("tiny_deepseek_v3", seed=3), _build("tiny_qwen3_moe", seed=5)
+    prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=4)
+    out = target.generate(prompt, NEW, speculative=Speculation(k, ExternalDrafter(drafter, target)))
+    assert torch.equal(out.tokens, _greedy_reference(target, prompt, NEW))
+    assert out.proposed == k * out.rounds and 1 + out.rounds + out.accepted >= NEW
+
+
+@pytest.mark.parametrize("k, wrong, per_round", [(3, 1, 1), (3, 0, 0), (3, 2, 2), (1, 0, 0)])
+def test_a_drafter_wrong_on_purpose_is_rolled_back(k, wrong, per_round):
+    """Wrong at draft step `wrong` of every round in row 0 only: every round keeps exactly `wrong` proposals
+    (the rows share positions, so row 1's longer agreement waits), and the next round's drafter agrees
+    again: both caches were rolled back past the rejected tokens."""
+    target, twin = _build("tiny_qwen3_moe", seed=3), _build("tiny_qwen3_moe", seed=3)
+    prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=4)
+    out = target.generate(prompt, NEW, speculative=Speculation(k, WrongAt(twin, target, wrong, row=0)))
+    assert torch.equal(out.tokens, _greedy_reference(target, prompt, NEW))
+    assert out.rounds == math.ceil((NEW - 1) / (per_round + 1))
+    assert out.accepted == per_round * out.rounds and out.proposed == k * out.rounds
+
+
+def test_a_drafter_of_another_vocabulary_is_refused():
+    target, drafter = _build("tiny_qwen3_moe", seed=3), _build("tiny_mixtral", seed=3)
+    hidden = drafter.model.embed_tokens.weight.shape[1]
+    drafter.model.embed_tokens = VocabEmbedding(vocab_size=256, hidden_size=hidden, dtype=torch.float32)
+    drafter.lm_head = LMHead(hidden_size=hidden, vocab_size=256, dtype=torch.float32)
+    with pytest.raises(ValueError) as e:
+        ExternalDrafter(drafter, target)
+    assert str(e.value) == (
+        f"the external drafter {type(drafter).__name__} has a vocabulary of 256 ids and the target "
+        f"{type(target).__name__} of 512: a drafter must share the target's tokenizer (RULES SD2)")
+
+
+def test_without_a_draft_it_decodes_with_the_target_and_says_so():
+    from generated import load_model
+
+    target = load_model("tiny_qwen3_moe", 90, speculative_config={"mode": "ngram"}, dtype=torch.float32).eval()
+    assert target.draft is None
+    prompt = builds.token_ids(512, batch=1, length=4)
+    out = target.generate(prompt, 6, speculative=2)
+    assert out.note == "speculative_config.mode 'ngram' has no neural draft: decoded with the target alone"
+    assert out.report() == out.note and out.rounds == 0
+    assert torch.equal(out.tokens, _greedy_reference(target, prompt, 6))
+    plain = _build("tiny_qwen3_moe", seed=3)
+    assert plain.generate(prompt, 3, speculative=2).note == (
+        f"{type(plain).__name__} was loaded without a draft (no speculative_config.mode): decoded with the target alone")
+
+
+def test_speculative_generate_refuses_bad_arguments():
+    target, twin = _build("tiny_qwen3_moe", seed=3), _build("tiny_qwen3_moe", seed=3)
+    prompt = torch.zeros(1, 3, dtype=torch.int64)
+    drafter = ExternalDrafter(twin, target)
+    with pytest.raises(ValueError) as e:
+        target.generate(prompt, 4, speculative=Speculation(0, drafter))
+    assert str(e.value) == "the draft proposes at least 1 token per round (--draft-tokens), got 0"
+    with pytest.raises(ValueError) as e:
+        target.generate(prompt, 4, temperature=0.7, speculative=Speculation(2, drafter))
+    assert str(e.value) == ("speculative decoding runs greedy (temperature 0) only; sampled speculative decoding "
+                            "is not built yet, got temperature 0.7")
+
+
+def test_the_launcher_decodes_with_the_mtp_draft_and_reports_acceptance(capsys):
+    from generated import load_model, run
+
+    folder = builds.tmp_folder("spec-cli-tiny")
+    code = run.main(["--model", "tiny_deepseek_v3", "--sm", "90", "--tiny", "--tiny-dir", str(folder),
+                     "--checkpoint-name", "tiny_deepseek_v3_bf16", "--tokens", "5,6,7", "--generate", "8",
+                     "--spec-mode", "mtp", "--draft-tokens", "3"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.strip().splitlines()
+    row = re.fullmatch(r"row 0 \(3 tokens\) generated: " + ", ".join([r"(\d+)"] * 8), lines[1])
+    assert row, out
+    assert re.fullmatch(r"prefill [\d.]+ ms; decode 7 steps of 1 rows in [\d.]+ ms: [\d.]+ tokens/s", lines[2]), out
+    stats = re.fullmatch(r"speculative: (\d+) target steps, (\d+) proposed, (\d+) accepted \([\d.]+%\), "
+                         r"acceptance length ([\d.]+)", lines[3])
+    assert stats, out
+    rounds, proposed, accepted, length = int(stats[1]), int(stats[2]), int(stats[3]), float(stats[4])
+    assert proposed == 3 * rounds and 1 + rounds + accepted >= 8 and length == pytest.approx((accepted + rounds) / rounds, abs=0.01)
+    # The written checkpoint holds the draft's tensors; its ids are the target's greedy continuation.
+    model = load_model("tiny_deepseek_v3", 90, checkpoint=str(folder), checkpoint_name="tiny_deepseek_v3_bf16",
+                       speculative_config={"mode": "mtp"}).eval()
+    assert model.draft is not None
+    expected = _greedy_reference(model, torch.tensor([[5, 6, 7]]), 8)[0, 3:].tolist()
+    assert [int(x) for x in row.groups()] == expected
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "tiny_qwen3_moe", "--generate", "4", "--spec-mode", "mtp"],
+     "tiny_qwen3_moe has no draft for speculative_config.mode 'mtp'; its drafts serve: none"),
+    (["--model", "tiny_qwen3_moe", "--generate", "4", "--draft-tokens", "2"],
+     "--draft-tokens sets the draft's proposals per round: give --spec-mode too"),
+    (["--model", "tiny_deepseek_v3", "--checkpoint-name", "tiny_deepseek_v3_bf16", "--spec-mode", "mtp"],
+     "--spec-mode decodes with a draft: give --generate N too"),
+    (["--model", "tiny_deepseek_v3", "--checkpoint-name", "tiny_deepseek_v3_bf16", "--generate", "4",
+      "--spec-mode", "mtp", "--draft-tokens", "0"],
+     "--draft-tokens takes a number of proposals >= 1, got 0"),
+    (["--model", "tiny_qwen3_moe", "--parallel", "dep2", "--generate", "4", "--spec-mode", "ngram"],
+     "speculative decoding needs every rank to accept the same tokens; dep2 runs 2 data-parallel replicas: "
+     "use a layout without attention data parallelism"),
+])
+def test_the_launcher_refuses_bad_speculative_arguments(capsys, args, message):
+    from generated import run
+
+    assert run.main([*args, "--sm", "90", "--tiny"]) == 2
+    assert capsys.readouterr().err.strip() == f"python -m generated.run: error: {message}"
