@@ -181,7 +181,9 @@ class SpeculativeDecoder:
             self.draft.forward(input_ids[:, 1:], hidden[:, :-1], torch.arange(n - 1, device=input_ids.device),
                                self._draft_cache(0), step=0)
         if hidden is not None:
-            self.draft_hidden = hidden.new_zeros(batch, self.k + 1, hidden.shape[-1])
+            if self.draft_hidden is None:  # once: the captured phases read this buffer
+                self.draft_hidden = hidden.new_zeros(batch, self.k + 1, hidden.shape[-1])
+            self.draft_hidden.zero_()
             self.draft_hidden[:, 0] = hidden[:, -1]
         self.draft_tokens.zero_()
         self.draft_tokens[:, 0] = token

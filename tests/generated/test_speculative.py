@@ -131,6 +131,9 @@ def test_mtp_speculative_greedy_is_the_target_greedy(mtp_case, k):
     # before the last did not.
     assert 1 + out.rounds + out.accepted >= NEW > out.rounds + out.accepted - k
     assert out.acceptance_length == pytest.approx((out.accepted + out.rounds) / out.rounds)
+    # The same decoder (caches, buffers) serves the next call from position 0.
+    again = builds.token_ids(speculative.vocab_size(target), batch=1, length=7)
+    assert torch.equal(target.generate(again, 12, speculative=k).tokens, _greedy_reference(target, again, 12))
 
 
 def test_the_mtp_draft_reads_the_accepted_tokens_and_target_hidden_states(mtp_case):
