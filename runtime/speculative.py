@@ -274,11 +274,9 @@ def speculative_decoder(target, draft, k: int, batch_size: int, max_seq_len: int
 def attach_draft(target, draft, note: str | None = None) -> None:
     """Make `draft` the target's default draft (`target.draft`), kept out of the target's module tree so
     its parameters, state dict and checkpoint loading stay the target's own; without one, `note` says why
-    (what a speculative `generate` then reports)."""
+    (what a speculative `generate` then logs and reports)."""
     target.__dict__["draft"] = draft
     target.__dict__["draft_note"] = note
-    if note is not None:
-        log.warning("%s", note)
 
 
 def _sync(device) -> None:

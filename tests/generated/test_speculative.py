@@ -283,3 +283,22 @@ def test_the_launcher_refuses_bad_speculative_arguments(capsys, args, message):
 
     assert run.main([*args, "--sm", "90", "--tiny"]) == 2
     assert capsys.readouterr().err.strip() == f"python -m generated.run: error: {message}"
+
+
+def test_hidden_states_gives_the_outputs_of_the_listed_layers_for_eagle3():
+    """`aux_layers`: the outputs of those decoder layers (before the final norm), concatenated in order,
+    against transformers' hidden states of the same checkpoint (`hidden_states[i + 1]` leaves layer i)."""
+    from generated import load_model
+
+    folder = builds.transformers_checkpoint("tiny_qwen3_moe")
+    target = load_model("tiny_qwen3_moe", 90, checkpoint=str(folder), dtype=torch.float32).eval()
+    theirs = builds.transformers_model(folder, torch.float64)
+    ids = builds.token_ids(512, batch=2, length=9)
+    with torch.no_grad():
+        final, aux = target.hidden_states(ids, aux_layers=(0, 1))
+        expected = theirs.model(ids, output_hidden_states=True).hidden_states[1]
+    width = final.shape[-1]
+    assert aux.shape == (2, 9, 2 * width)
+    assert torch.equal(final, target.hidden_states(ids))
+    assert torch.equal(target.model.norm(aux[..., width:]), final)
+    assert builds.rel_err(aux[..., :width], expected) < 1e-3
