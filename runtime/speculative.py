@@ -20,7 +20,7 @@ prefix over the rows; each row's kept tokens are still its target's own tokens):
    one-token steps;
 2. verify phase: the target runs `[next token, k proposals]` at positions `pos .. pos + k`, takes its
    argmax at each, counts the leading proposals equal to it (`a`), emits its own tokens `0 .. a`, and
-   moves `pos` by `a + 1`.
+   moves `pos` by `a + 1`. Sampled decoding accepts by speculative sampling instead (`accept_sampled`).
 
 Rollback is a position: both caches are static, so the slots of rejected tokens are rewritten by the
 next round before any query reaches them, and every attention mask hides keys after the query
@@ -125,9 +125,12 @@ def _draft_input(draft) -> str:
 class SpeculativeDecoder:
     """Target and draft caches for `batch_size` rows of `max_seq_len` positions, and the two phases of a
     round (captured as CUDA graphs on CUDA, eager elsewhere). Greedy: the draft proposes its argmax and
-    the target keeps its own argmax, so the output is the target's own greedy output (SD1)."""
+    the target keeps its own argmax, so the output is the target's own greedy output (SD1). Sampled
+    (`temperature > 0`, top-p): the draft draws from its nucleus and `accept_sampled` keeps each token as
+    a draw from the target's."""
 
-    def __init__(self, target, draft, k: int, batch_size: int, max_seq_len: int) -> None:
+    def __init__(self, target, draft, k: int, batch_size: int, max_seq_len: int, temperature: float = 0.0,
+                 top_p: float = 1.0) -> None:
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"the draft proposes at least 1 token per round (--draft-tokens), got {k!r}")
         self.target, self.draft, self.k = target, draft, k
@@ -149,6 +152,12 @@ class SpeculativeDecoder:
         self.draft_sel = torch.zeros(1, **ids)
         self.draft_hidden = None                                  # [B, k+1, *]: allocated at prefill
         self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        # Sampling (temperature > 0): the draft's distributions over the target vocabulary, and the draws'
+        # generator (reseeded per call; registered with the graphs that draw from it).
+        self.temperature, self.top_p = temperature, top_p
+        self.generator = torch.Generator(device=device) if temperature > 0 else None
+        self.draft_probs = None                                   # [B, k, V_target]
+        self.vocab_map = None                                     # draft id -> target id, for the probabilities
 
     def _target_forward(self, ids, positions):
         """Logits and what the draft reads (final-norm hidden states, aux layer outputs, or None)."""
@@ -159,9 +168,22 @@ class SpeculativeDecoder:
             aux = final if self.input == "hidden" else None
         return self.target.lm_head(final), aux
 
-    def _propose(self, logits):
-        ids = logits.argmax(dim=-1)
-        return ids if self.to_target is None else self.to_target(ids)
+    def _propose(self, logits, step):
+        """Draft step `step`'s target ids `[B, S]`: its argmax, or (sampling) a draw from its nucleus, whose
+        probabilities over the target vocabulary it keeps for the verify phase."""
+        if self.generator is None:
+            ids = logits.argmax(dim=-1)
+            return ids if self.to_target is None else self.to_target(ids)
+        probs = nucleus(logits[:, -1], self.temperature, self.top_p)
+        if self.to_target is not None:
+            if self.vocab_map is None:  # set in the eager warm-up, before any capture
+                self.vocab_map = self.to_target(torch.arange(probs.shape[-1], device=probs.device))
+            mapped = probs.new_zeros(probs.shape[0], vocab_size(self.target))
+            probs = mapped.index_add_(1, self.vocab_map, probs)
+        if self.draft_probs is None:
+            self.draft_probs = probs.new_zeros(probs.shape[0], self.k, probs.shape[-1])
+        self.draft_probs[:, step] = probs
+        return draw(probs, self.generator)[:, None]
 
     def _draft_cache(self, step):
         return self.draft_caches[step % len(self.draft_caches)]
@@ -174,7 +196,10 @@ class SpeculativeDecoder:
             raise ValueError(f"this decoder takes {self.batch_size} rows of at most {self.max_seq_len - self.k - 1} "
                              f"tokens, got {list(input_ids.shape)}")
         logits, hidden = self._target_forward(input_ids, torch.arange(n, device=input_ids.device))
-        token = logits[:, -1].argmax(dim=-1)
+        if self.generator is None:
+            token = logits[:, -1].argmax(dim=-1)
+        else:
+            token = draw(nucleus(logits[:, -1], self.temperature, self.top_p), self.generator)
         if hasattr(self.draft, "prefill"):
             self.draft.prefill(input_ids, hidden, self.draft_caches)
         elif n > 1:  # entries 0 .. n-2; entry n-1 (it needs `token`) opens the first round's catch-up block
@@ -197,7 +222,7 @@ class SpeculativeDecoder:
         """Catch-up block at `draft_pos`, first proposal at its entry `draft_sel`, then `k - 1` steps."""
         logits, hidden = self.draft.forward(
             self.draft_tokens, self.draft_hidden, self.draft_pos + self.offsets, self._draft_cache(0), step=0)
-        token = self._propose(logits.index_select(1, self.draft_sel))          # [B, 1]
+        token = self._propose(logits.index_select(1, self.draft_sel), 0)       # [B, 1]
         hidden = hidden.index_select(1, self.draft_sel)
         self.tokens[:, 1:2] = token
         position = self.draft_pos + self.draft_sel
@@ -205,20 +230,24 @@ class SpeculativeDecoder:
             position = position + 1
             logits, hidden = self.draft.forward(
                 token, None if self.input == "tokens" else hidden, position, self._draft_cache(step), step=step)
-            token = self._propose(logits)
+            token = self._propose(logits, step)
             self.tokens[:, step + 1:step + 2] = token
 
     def _verify_phase(self) -> None:
         """Target over `tokens` at `pos .. pos + k`; accept, emit, and set up the draft's next catch-up."""
         positions = self.pos + self.offsets
         logits, hidden = self._target_forward(self.tokens, positions)
-        ours = logits.argmax(dim=-1)                                           # [B, k+1]
-        agree = (self.tokens[:, 1:] == ours[:, :-1]).long().cumprod(dim=1).sum(dim=1)
-        kept = agree.min().view(1)
+        if self.generator is None:
+            ours = logits.argmax(dim=-1)                                       # [B, k+1]
+            agree = (self.tokens[:, 1:] == ours[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+            kept = agree.min().view(1)
+        else:
+            ours, kept = accept_sampled(nucleus(logits, self.temperature, self.top_p), self.draft_probs,
+                                        self.tokens[:, 1:], self.generator)
         self.kept.copy_(kept)
         self.emitted.copy_(ours)
         # The catch-up block: entry j is position pos + j reading the token at pos + j + 1, which is the
-        # target's own token j (for j < a it equals the accepted proposal; j = a is its next token).
+        # token kept there (for j < a the accepted proposal; j = a the target's own next token).
         self.draft_tokens.copy_(ours)
         if self.draft_hidden is not None:
             self.draft_hidden.copy_(hidden)
@@ -249,6 +278,8 @@ class SpeculativeDecoder:
         for t, s in zip(state, saved):
             t.copy_(s)
         graph = torch.cuda.CUDAGraph()
+        if self.generator is not None:
+            graph.register_generator_state(self.generator)
         with torch.cuda.graph(graph):
             phase()
         return graph
@@ -262,12 +293,56 @@ class SpeculativeDecoder:
         return self.emitted[:, :kept + 1].clone(), kept
 
 
-def speculative_decoder(target, draft, k: int, batch_size: int, max_seq_len: int) -> SpeculativeDecoder:
-    """The decoder of the bucket (as `CausalLM.decoder`), made once per target, draft and k."""
-    key = (id(draft), k, batch_bucket(batch_size), length_bucket(max_seq_len + k + 1))
+def nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """fp32 probabilities `[..., V]` of the tempered top-p nucleus (as `decoding.sample` draws from), in id order."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    ordered, order = probs.sort(dim=-1, descending=True)
+    # Keep the smallest prefix whose mass reaches top_p (the most likely id always stays).
+    ordered = ordered.masked_fill(ordered.cumsum(dim=-1) - ordered >= top_p, 0.0)
+    probs = torch.zeros_like(probs).scatter_(-1, order, ordered)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def draw(probs: torch.Tensor, generator) -> torch.Tensor:
+    """One id per row of `probs [..., V]`: argmax(p / E), E ~ Exp(1), draws i with probability p_i (no host sync)."""
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / race).argmax(dim=-1)
+
+
+def accept_sampled(p: torch.Tensor, q: torch.Tensor, proposals: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023) for rows that share positions.
+
+    `p [B, k+1, V]` the target's distributions at the k+1 verified positions, `q [B, k, V]` the draft's,
+    `proposals [B, k]` drawn from `q`. Proposal j of a row is accepted with probability
+    `min(1, p_j(d) / q_j(d))`; `a` is the smallest count of leading acceptances over the rows. At index `a`
+    a row that accepted its proposal there keeps it; one that rejected it draws from the residual
+    `max(0, p_a - q_a)` renormalized, and at `a = k` every row draws from `p_k`: each kept token is a draw
+    from the target's distribution. Returns the kept ids `[B, k+1]` (valid through `a`) and `a` `[1]`.
+    """
+    batch, k = proposals.shape
+    pick = proposals.unsqueeze(-1)
+    accepted = torch.rand(batch, k, device=p.device, generator=generator) * q.gather(-1, pick).squeeze(-1) \
+        < p[:, :k].gather(-1, pick).squeeze(-1)
+    agree = accepted.long().cumprod(dim=1).sum(dim=1)
+    kept = agree.min().view(1)
+    at = kept.view(1, 1).expand(batch, 1)
+    p_at = p.gather(1, at.unsqueeze(-1).expand(batch, 1, p.shape[-1])).squeeze(1)
+    q_full = torch.cat((q, q.new_zeros(batch, 1, q.shape[-1])), dim=1)  # the bonus position: residual = p_k
+    q_at = q_full.gather(1, at.unsqueeze(-1).expand(batch, 1, q.shape[-1])).squeeze(1)
+    residual = (p_at - q_at).clamp_min(0.0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)  # p == q: never rejected
+    padded = torch.cat((proposals, proposals[:, -1:]), dim=1)
+    token = torch.where(agree > kept, padded.gather(1, at).squeeze(1), draw(residual, generator))
+    return padded.scatter(1, at, token.unsqueeze(1)), kept
+
+
+def speculative_decoder(target, draft, k: int, batch_size: int, max_seq_len: int, temperature: float = 0.0,
+                        top_p: float = 1.0) -> SpeculativeDecoder:
+    """The decoder of the bucket (as `CausalLM.decoder`), made once per target, draft, k and sampling."""
+    key = (id(draft), k, batch_bucket(batch_size), length_bucket(max_seq_len + k + 1), temperature, top_p)
     decoders = target.__dict__.setdefault("_speculative_decoders", {})
     if key not in decoders:
-        decoders[key] = SpeculativeDecoder(target, draft, k, key[2], key[3])
+        decoders[key] = SpeculativeDecoder(target, draft, k, key[2], key[3], temperature, top_p)
     return decoders[key]
 
 
@@ -302,15 +377,16 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, speculative, 
         out = target.generate(input_ids, max_new_tokens, temperature=temperature, eos_token_id=eos_token_id, **plain)
         return SpeculativeGeneration(out.tokens, out.prompt_len, out.prefill_s, out.decode_s, out.decode_steps,
                                      note=note)
-    if temperature != 0.0:
-        raise ValueError("speculative decoding runs greedy (temperature 0) only; sampled speculative decoding "
-                         f"is not built yet, got temperature {temperature}")
-    if plain.get("top_p", 1.0) != 1.0:
-        raise ValueError("speculative decoding runs greedy only; top_p does not apply")
+    top_p = plain.get("top_p", 1.0)
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature} and {top_p}")
     batch, seq = input_ids.shape
-    decoder = speculative_decoder(target, draft, k, batch, seq + max_new_tokens)
+    decoder = speculative_decoder(target, draft, k, batch, seq + max_new_tokens, temperature,
+                                  top_p if temperature > 0 else 1.0)
+    if decoder.generator is not None:
+        decoder.generator.manual_seed(plain.get("seed", 0))
     device = decoder.tokens.device
     ids = input_ids.to(device)
     if decoder.batch_size > batch:  # pad to the bucket with copies of the last row, dropped at the end

@@ -225,6 +225,60 @@ def test_without_a_draft_it_decodes_with_the_target_and_says_so():
         f"{type(plain).__name__} was loaded without a draft (no speculative_config.mode): decoded with the target alone")
 
 
+def _distributions(gen, rows, v):
+    return torch.softmax(torch.randn(rows, v, generator=gen, dtype=torch.float64) * 1.5, -1).float()
+
+
+def test_speculative_sampling_keeps_draws_of_the_target_distribution():
+    """`accept_sampled` on known distributions: the kept token at every index is distributed as the
+    target's `p` there (accepted proposal or residual draw), the first proposal is accepted with
+    probability sum(min(p, q)); with many rows sharing positions (`a` = their minimum) index 0 still is."""
+    gen = torch.Generator().manual_seed(11)
+    k, v, trials = 2, 5, 12000
+    p, q = _distributions(gen, k + 1, v), _distributions(gen, k, v)
+    firsts, seconds, bonus, accepted_first = [], [], [], 0
+    for _ in range(trials):
+        proposals = torch.stack([torch.multinomial(q[j], 1, generator=gen)[0] for j in range(k)])[None]
+        kept_ids, kept = speculative.accept_sampled(p[None], q[None], proposals, gen)
+        a = int(kept)
+        firsts.append(int(kept_ids[0, 0]))
+        accepted_first += a >= 1
+        if a >= 1:
+            seconds.append(int(kept_ids[0, 1]))
+        if a == k:
+            bonus.append(int(kept_ids[0, k]))
+
+    def freq(ids):
+        return torch.bincount(torch.tensor(ids), minlength=v).double() / len(ids)
+
+    torch.testing.assert_close(freq(firsts), p[0].double(), atol=0.015, rtol=0)
+    torch.testing.assert_close(freq(seconds), p[1].double(), atol=0.02, rtol=0)
+    torch.testing.assert_close(freq(bonus), p[2].double(), atol=0.03, rtol=0)
+    assert accepted_first / trials == pytest.approx(float(torch.minimum(p[0], q[0]).sum()), abs=0.015)
+    rows = 40000
+    proposals = torch.multinomial(q[0], rows * k, replacement=True, generator=gen).view(rows, k)
+    kept_ids, kept = speculative.accept_sampled(p.expand(rows, k + 1, v), q.expand(rows, k, v), proposals, gen)
+    assert int(kept) == 0
+    torch.testing.assert_close(freq(kept_ids[:, 0].tolist()), p[0].double(), atol=0.01, rtol=0)
+
+
+def test_sampled_speculative_decoding_accepts_an_always_agreeing_drafter_and_is_seeded():
+    target, twin = _build("tiny_qwen3_moe", seed=3), _build("tiny_qwen3_moe", seed=3)
+    prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=4)
+    spec = Speculation(3, ExternalDrafter(twin, target))
+    out = target.generate(prompt, NEW, temperature=0.8, top_p=0.9, seed=5, speculative=spec)
+    # p == q up to fp32 rounding of the same computation in other shapes: min(1, p/q) ~ 1.
+    assert out.accepted >= 0.95 * out.proposed and out.tokens.shape == (2, 4 + NEW)
+    assert torch.equal(target.generate(prompt, NEW, temperature=0.8, top_p=0.9, seed=5, speculative=spec).tokens,
+                       out.tokens)
+    greedy = target.generate(prompt, NEW, speculative=spec).tokens
+    assert not torch.equal(greedy, out.tokens)
+    # A drafter of other weights: proposals mostly rejected, every kept token still a target draw.
+    other = target.generate(prompt, NEW, temperature=0.8, seed=5,
+                            speculative=Speculation(3, ExternalDrafter(_build("tiny_qwen3_moe", seed=8), target)))
+    assert other.accepted < other.proposed and other.tokens.shape == (2, 4 + NEW)
+
+
 def test_speculative_generate_refuses_bad_arguments():
     target, twin = _build("tiny_qwen3_moe", seed=3), _build("tiny_qwen3_moe", seed=3)
     prompt = torch.zeros(1, 3, dtype=torch.int64)
@@ -233,9 +287,8 @@ def test_speculative_generate_refuses_bad_arguments():
         target.generate(prompt, 4, speculative=Speculation(0, drafter))
     assert str(e.value) == "the draft proposes at least 1 token per round (--draft-tokens), got 0"
     with pytest.raises(ValueError) as e:
-        target.generate(prompt, 4, temperature=0.7, speculative=Speculation(2, drafter))
-    assert str(e.value) == ("speculative decoding runs greedy (temperature 0) only; sampled speculative decoding "
-                            "is not built yet, got temperature 0.7")
+        target.generate(prompt, 4, temperature=0.7, top_p=1.5, speculative=Speculation(2, drafter))
+    assert str(e.value) == "temperature must be >= 0 and top_p in (0, 1], got 0.7 and 1.5"
 
 
 def test_the_launcher_decodes_with_the_mtp_draft_and_reports_acceptance(capsys):

@@ -107,3 +107,15 @@ def test_mtp_drafts_decode_in_graphs_to_the_target_greedy_in_fp32(model):
         out = target.generate(prompt, 32, speculative=k)
         assert out.note is None and out.proposed == k * out.rounds
         _explained_by_ties(target, out.tokens, reference.cpu(), prompt.shape[1])
+
+
+def test_sampled_rounds_replay_in_graphs_seeded_and_accept_an_agreeing_drafter():
+    target, twin = _build("tiny_qwen3_moe", torch.float32), _build("tiny_qwen3_moe", torch.float32)
+    prompt = builds.token_ids(vocab_size(target), batch=2, length=8).cuda()
+    spec = Speculation(3, ExternalDrafter(twin, target))
+    out = target.generate(prompt, 48, temperature=0.8, top_p=0.9, seed=3, speculative=spec)
+    again = target.generate(prompt, 48, temperature=0.8, top_p=0.9, seed=3, speculative=spec)
+    decoder = next(iter(target.__dict__["_speculative_decoders"].values()))
+    assert set(decoder.graphs) == {"draft", "verify"}
+    assert torch.equal(out.tokens, again.tokens)  # the graphs draw from the reseeded generator
+    assert out.accepted >= 0.9 * out.proposed, out.report()
