@@ -369,9 +369,9 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, speculative, 
     k = speculative.draft_tokens
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"the draft proposes at least 1 token per round (--draft-tokens), got {k!r}")
-    draft = speculative.draft if speculative.draft is not None else target.__dict__.get("draft")
+    draft = speculative.draft if speculative.draft is not None else getattr(target, "draft", None)
     if draft is None:
-        note = target.__dict__.get("draft_note") or (
+        note = getattr(target, "draft_note", None) or (
             f"{type(target).__name__} was loaded without a draft (no speculative_config.mode): decoded with the target alone")
         log.warning("%s", note)
         out = target.generate(input_ids, max_new_tokens, temperature=temperature, eos_token_id=eos_token_id, **plain)
