@@ -309,7 +309,7 @@ def draw(probs: torch.Tensor, generator) -> torch.Tensor:
     return (probs / race).argmax(dim=-1)
 
 
-def accept_sampled(p: torch.Tensor, q: torch.Tensor, proposals: torch.Tensor, generator) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_sampled(p: torch.Tensor, q: torch.Tensor, proposals: torch.Tensor, generator):
     """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023) for rows that share positions.
 
     `p [B, k+1, V]` the target's distributions at the k+1 verified positions, `q [B, k, V]` the draft's,
@@ -372,7 +372,8 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, speculative, 
     draft = speculative.draft if speculative.draft is not None else getattr(target, "draft", None)
     if draft is None:
         note = getattr(target, "draft_note", None) or (
-            f"{type(target).__name__} was loaded without a draft (no speculative_config.mode): decoded with the target alone")
+            f"{type(target).__name__} was loaded without a draft (no speculative_config.mode): "
+            "decoded with the target alone")
         log.warning("%s", note)
         out = target.generate(input_ids, max_new_tokens, temperature=temperature, eos_token_id=eos_token_id, **plain)
         return SpeculativeGeneration(out.tokens, out.prompt_len, out.prefill_s, out.decode_s, out.decode_steps,
