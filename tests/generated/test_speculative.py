@@ -212,6 +212,15 @@ def test_a_drafter_of_another_vocabulary_is_refused():
         f"{type(target).__name__} of 512: a drafter must share the target's tokenizer (RULES SD2)")
 
 
+def test_a_draft_that_names_no_input_kind_is_refused():
+    target, twin = _build("tiny_qwen3_moe", seed=3), _build("tiny_qwen3_moe", seed=3)
+    drafter = ExternalDrafter(twin, target)
+    drafter.INPUT = "logits"
+    with pytest.raises(ValueError) as e:
+        target.generate(torch.zeros(1, 3, dtype=torch.int64), 4, speculative=Speculation(2, drafter))
+    assert str(e.value) == "ExternalDrafter.INPUT is 'logits'; a draft declares one of hidden, aux_hidden, tokens"
+
+
 def test_without_a_draft_it_decodes_with_the_target_and_says_so():
     from generated import load_model
 
