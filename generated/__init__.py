@@ -154,6 +154,6 @@ def _load_draft(chosen, selection, checkpoint, device, rank, seed, extra):
         device=device, rank=rank, **extra)
     if checkpoint is not None:
         draft.load_checkpoint(checkpoint)
-    else:
+    elif str(device) != "meta":  # on meta a build is its structure only
         draft.init_random(seed)
     return draft.eval(), None
