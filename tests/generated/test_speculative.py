@@ -200,6 +200,48 @@ def test_a_drafter_wrong_on_purpose_is_rolled_back(k, wrong, per_round):
     assert out.accepted == per_round * out.rounds and out.proposed == k * out.rounds
 
 
+class PermutedAux(ExternalDrafter):
+    """The target's twin presented as an Eagle3-like draft: it declares `aux_hidden` (and records the target
+    states it is handed) and scores its own vocabulary, a permutation of the target's (`to_target_ids`)."""
+
+    INPUT = "aux_hidden"
+    AUX_LAYERS = (0, 1)
+
+    def __init__(self, model, target, perm):
+        super().__init__(model, target)
+        self.perm, self.seen = perm, []
+
+    def to_target_ids(self, ids):
+        return self.perm[ids]
+
+    def forward(self, ids, hidden, positions, cache, step=0):
+        if step == 0:
+            self.seen.append((int(positions[0]), hidden.clone()))
+        logits, out = super().forward(ids, None, positions, cache, step)
+        return logits[..., self.perm], out  # draft id i is target id perm[i]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_an_aux_hidden_draft_reads_the_listed_layers_and_maps_its_vocabulary(temperature):
+    target, twin = _build("tiny_qwen3_moe", seed=3), _build("tiny_qwen3_moe", seed=3)
+    perm = torch.randperm(512, generator=torch.Generator().manual_seed(1))
+    draft = PermutedAux(twin, target, perm)
+    prompt = builds.token_ids(512, batch=2, length=5)
+    k = 3
+    out = target.generate(prompt, NEW, temperature=temperature, seed=2, speculative=Speculation(k, draft))
+    if temperature == 0.0:
+        assert torch.equal(out.tokens, _greedy_reference(target, prompt, NEW))
+        assert out.accepted == out.proposed
+    else:  # the draft's probabilities reach the target vocabulary through the map: p == q, all accepted
+        assert out.accepted >= 0.95 * out.proposed
+    with torch.no_grad():
+        _, aux = target.hidden_states(out.tokens, aux_layers=PermutedAux.AUX_LAYERS)
+    starts = [start for start, _ in draft.seen]
+    for (start, hidden), following in zip(draft.seen, starts[1:]):
+        valid = following - start
+        assert builds.rel_err(hidden[:, :valid], aux[:, start:following]) < 1e-4
+
+
 def test_a_drafter_of_another_vocabulary_is_refused():
     target, drafter = _build("tiny_qwen3_moe", seed=3), _build("tiny_mixtral", seed=3)
     hidden = drafter.model.embed_tokens.weight.shape[1]
