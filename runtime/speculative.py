@@ -60,6 +60,7 @@ class SpeculativeGeneration(Generation):
     rounds: int = 0
     proposed: int = 0
     accepted: int = 0
+    near_ties: int = 0      # greedy: kept tokens whose target top-2 logits were within the dtype's eps (SD1)
     note: str | None = None
 
     @property
@@ -77,7 +78,8 @@ class SpeculativeGeneration(Generation):
         if self.note is not None:
             return self.note
         return (f"speculative: {self.rounds} target steps, {self.proposed} proposed, {self.accepted} accepted "
-                f"({self.accepted / max(1, self.proposed):.1%}), acceptance length {self.acceptance_length:.2f}")
+                f"({self.accepted / max(1, self.proposed):.1%}), acceptance length {self.acceptance_length:.2f}, "
+                f"{self.near_ties} near-tie tokens")
 
 
 def vocab_size(model) -> int:
@@ -147,6 +149,8 @@ class SpeculativeDecoder:
         self.pos = torch.zeros(1, **ids)                          # position of tokens[:, 0]
         self.emitted = torch.zeros(batch_size, k + 1, **ids)     # the target's tokens of the last verify
         self.kept = torch.zeros(1, **ids)                         # a: proposals accepted in the last verify
+        self.ties = torch.zeros(batch_size, **ids)                # per row: near-tie tokens kept so far
+        self.tie_eps = torch.finfo(target.dtype).eps
         self.draft_tokens = torch.zeros(batch_size, k + 1, **ids)  # the draft's catch-up block
         self.draft_pos = torch.zeros(1, **ids)
         self.draft_sel = torch.zeros(1, **ids)
@@ -210,6 +214,9 @@ class SpeculativeDecoder:
                 self.draft_hidden = hidden.new_zeros(batch, self.k + 1, hidden.shape[-1])
             self.draft_hidden.zero_()
             self.draft_hidden[:, 0] = hidden[:, -1]
+        self.ties.zero_()
+        if self.generator is None:
+            self.ties.add_(near_ties(logits[:, -1:], self.tie_eps).sum(dim=1))
         self.draft_tokens.zero_()
         self.draft_tokens[:, 0] = token
         self.draft_pos.fill_(n - 1)
@@ -241,6 +248,7 @@ class SpeculativeDecoder:
             ours = logits.argmax(dim=-1)                                       # [B, k+1]
             agree = (self.tokens[:, 1:] == ours[:, :-1]).long().cumprod(dim=1).sum(dim=1)
             kept = agree.min().view(1)
+            self.ties.add_((near_ties(logits, self.tie_eps) & (self.offsets <= kept)).sum(dim=1))
         else:
             ours, kept = accept_sampled(nucleus(logits, self.temperature, self.top_p), self.draft_probs,
                                         self.tokens[:, 1:], self.generator)
@@ -267,7 +275,7 @@ class SpeculativeDecoder:
     def _capture(self, phase) -> torch.cuda.CUDAGraph:
         # Warm up outside the capture (allocator, cuBLAS, kernel compilation) with the state saved and
         # restored: the warm-up's cache writes are the ones the first replay repeats.
-        state = [self.tokens, self.pos, self.emitted, self.kept, self.draft_tokens,
+        state = [self.tokens, self.pos, self.emitted, self.kept, self.ties, self.draft_tokens,
                  self.draft_pos, self.draft_sel] + ([self.draft_hidden] if self.draft_hidden is not None else [])
         saved = [t.clone() for t in state]
         side = torch.cuda.Stream()
@@ -291,6 +299,13 @@ class SpeculativeDecoder:
         self._run("verify", self._verify_phase)
         kept = int(self.kept)  # the round's one host sync
         return self.emitted[:, :kept + 1].clone(), kept
+
+
+def near_ties(logits: torch.Tensor, eps: float) -> torch.Tensor:
+    """`[..., V]` logits -> booleans `[...]`: the top two are within `eps` of the larger magnitude (at least
+    1), where another rounding of the same computation may swap the argmax (RULES SD1 in bf16)."""
+    top = logits.float().topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1] <= eps * top[..., 0].abs().clamp_min(1.0)
 
 
 def nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -414,4 +429,5 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, speculative, 
         after = (tokens == eos_token_id).long().cumsum(1) > 0
         tokens = tokens.masked_fill(after, eos_token_id)
     return SpeculativeGeneration(torch.cat((input_ids.cpu(), tokens), dim=1), seq, prefilled - start,
-                                 done - prefilled, rounds, rounds=rounds, proposed=rounds * k, accepted=accepted)
+                                 done - prefilled, rounds, rounds=rounds, proposed=rounds * k, accepted=accepted,
+                                 near_ties=int(decoder.ties[:batch].sum()))

@@ -297,6 +297,12 @@ def test_rows_that_reach_eos_continue_with_it_and_decoding_stops_early():
     assert new.shape[0] == 1 + 4 * math.ceil(first / 4) and out.rounds == math.ceil(first / 4)
 
 
+def test_near_ties_are_top_two_logits_within_the_dtype_eps():
+    logits = torch.tensor([[3.0, 3.0 - 3e-8, 1.0], [3.0, 2.0, 1.0], [0.5, 0.5 - 1e-3, 0.0]])
+    assert speculative.near_ties(logits, torch.finfo(torch.bfloat16).eps).tolist() == [True, False, True]
+    assert speculative.near_ties(logits, torch.finfo(torch.float32).eps).tolist() == [True, False, False]
+
+
 def _distributions(gen, rows, v):
     return torch.softmax(torch.randn(rows, v, generator=gen, dtype=torch.float64) * 1.5, -1).float()
 
@@ -377,7 +383,7 @@ def test_the_launcher_decodes_with_the_mtp_draft_and_reports_acceptance(capsys):
     assert row, out
     assert re.fullmatch(r"prefill [\d.]+ ms; decode 7 steps of 1 rows in [\d.]+ ms: [\d.]+ tokens/s", lines[2]), out
     stats = re.fullmatch(r"speculative: (\d+) target steps, (\d+) proposed, (\d+) accepted \([\d.]+%\), "
-                         r"acceptance length ([\d.]+)", lines[3])
+                         r"acceptance length ([\d.]+), \d+ near-tie tokens", lines[3])
     assert stats, out
     rounds, proposed, accepted, length = int(stats[1]), int(stats[2]), int(stats[3]), float(stats[4])
     assert proposed == 3 * rounds and 1 + rounds + accepted >= 8
