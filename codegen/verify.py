@@ -48,7 +48,9 @@ _ATTRIBUTES = {
     DATA: frozenset(),
     ROOT: frozenset({"CONFIG", "FACTS", "FAMILY", "PROFILES", "QUANT", "MODEL_CLASS", "INFO", "WARNING", "RunTarget", "as_tuple",
                      "exit", "format", "get", "getLogger", "import_module", "init_random", "items", "join", "kind",
-                     "load_checkpoint", "log", "main", "module", "reasons", "__name__"}),
+                     "load_checkpoint", "log", "main", "module", "reasons", "__name__",
+                     # the speculative draft load_model attaches (RULES SD)
+                     "spec_mode", "rsplit", "DRAFT_CLASS", "eval", "moe_tp", "ep", "update"}),
 }
 # The root package imports the stdlib modules below, the runtime and the registry (it routes and launches).
 _ROOT_IMPORTS = frozenset({"importlib", "logging", "pathlib", "sys", "runtime", "registry"})

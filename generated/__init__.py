@@ -103,7 +103,8 @@ def load_model(
 
     `dtype` is the build's activation and parameter dtype (default: the build's own, bfloat16).
     `device="meta"` without a checkpoint builds the structure only, allocating nothing.
-    Returns the model (a torch module). Raises a moegen error naming what did not match under `require`.
+    Returns the model (a torch module); under a neural speculative mode its draft build is `model.draft`
+    (`model.generate(..., speculative=k)` decodes with it). Raises a moegen error naming what did not match under `require`.
     """
     from registry.errors import SelectionError
     from registry.parallel import Layout, parse_layout
@@ -134,4 +135,28 @@ def load_model(
     elif str(device) != "meta":
         # On meta the build is its structure only (which build serves, what it binds): no values to draw.
         built.init_random(seed)
+    if selection.spec_mode is not None:
+        from runtime.speculative import attach_draft
+
+        attach_draft(built, *_load_draft(chosen, selection, checkpoint, device, rank, seed, extra))
     return built
+
+
+def _load_draft(chosen, selection, checkpoint, device, rank, seed, extra):
+    """(the draft build the speculative mode needs, None) or (None, why the build decodes without one):
+    a specialized build's `draft.py` reads its own tensors of the same checkpoint folder (RULES SD3)."""
+    from registry.model import NON_NEURAL_MODES
+
+    mode = selection.spec_mode
+    if mode in NON_NEURAL_MODES:
+        return None, f"speculative_config.mode {mode!r} has no neural draft: decoded with the target alone"
+    if chosen.kind != "specialized":
+        return None, f"the generic build constructs no draft: mode {mode!r} decoded with the target alone"
+    # The router served this build only because it holds the draft of this mode (RULES TG6).
+    draft = importlib.import_module(chosen.module.rsplit(".", 1)[0] + ".draft", __name__).DRAFT_CLASS(
+        device=device, rank=rank, **extra)
+    if checkpoint is not None:
+        draft.load_checkpoint(checkpoint)
+    elif str(device) != "meta":  # on meta a build is its structure only
+        draft.init_random(seed)
+    return draft.eval(), None

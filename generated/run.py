@@ -19,7 +19,7 @@ import sys
 from runtime import launch
 from runtime.parallel import Layout
 
-from . import _checkpoint_name, load_model
+from . import _checkpoint_name, _selection, load_model
 from ._router_index import INDEX
 
 # Imported once by the fork server that starts CPU ranks (the registry: generic builds resolve at load).
@@ -32,15 +32,21 @@ def _facts(model):
     return importlib.import_module(INDEX["models"][model]["facts"], __package__)
 
 
-def describe(model, sm, parallel, checkpoint=None, checkpoint_name=None):
-    """The run's target name and layout numbers, refused (ValueError) before any rank starts when unknown."""
+def describe(model, sm, parallel, checkpoint=None, checkpoint_name=None, spec_mode=None):
+    """The run's target name and layout numbers, refused (ValueError) before any rank starts when unknown
+    (or when the model has no draft for `spec_mode`)."""
     from registry.errors import MoegenError
+    from registry.model_resolve import resolve_model
     from registry.parallel import Layout as LayoutName, parse_layout
+    from registry.router import facts_from_literal
 
     facts = _facts(model)
     try:
         name = _checkpoint_name(facts, model, checkpoint, checkpoint_name)
         numbers = parse_layout(parallel, {k: LayoutName(*v) for k, v in facts.PROFILES.items()})
+        if spec_mode is not None:
+            selection = _selection(None, {"mode": spec_mode})
+            resolve_model(facts_from_literal(facts.FACTS[name]), selection, sm, numbers.moe_tp, numbers.ep)
     except MoegenError as e:
         raise ValueError(str(e)) from None
     return launch.RunTarget(
@@ -51,9 +57,11 @@ def describe(model, sm, parallel, checkpoint=None, checkpoint_name=None):
 
 def write_tiny(model, sm, checkpoint_name, folder, seed=0):
     """One seeded random checkpoint of `model`, named by its one-rank generic build built on the meta device
-    (names and shapes only, so even a build bound to GPU-only kernels writes it on a CPU host)."""
+    (names and shapes only, so even a build bound to GPU-only kernels writes it on a CPU host), plus the
+    tensors of the one-rank specialized build's draft where it has one (the builds that do not run the
+    draft ignore them, as they ignore a real checkpoint's MTP layers)."""
     from registry.errors import MoegenError
-    from runtime.checkpoint.writer import write_random_checkpoint
+    from runtime.checkpoint.writer import random_tensors, save_checkpoint
 
     facts = _facts(model)
     generic = importlib.import_module(INDEX["models"][model]["generic"], __package__)
@@ -61,12 +69,22 @@ def write_tiny(model, sm, checkpoint_name, folder, seed=0):
         whole = generic.MODEL_CLASS(checkpoint=checkpoint_name, sm=sm, parallel="tp1", device="meta")
     except MoegenError as e:
         raise ValueError(str(e)) from None
-    return write_random_checkpoint(whole, folder, generic.FAMILY, seed, config=facts.CONFIG)
+    tensors = random_tensors(whole, generic.FAMILY, seed)
+    key = (model, checkpoint_name, sm, "tp1")
+    for target in INDEX["targets"]:
+        if (target["model"], target["checkpoint"], target["sm"], target["parallel"]) == key and target["spec_mode"]:
+            draft = importlib.import_module(target["module"].rsplit(".", 1)[0] + ".draft", __package__)
+            tensors.update(random_tensors(draft.DRAFT_CLASS(device="meta"), generic.FAMILY, seed + 1))
+    return save_checkpoint(tensors, folder, facts.CONFIG)
 
 
 def main(argv=None):
+    from registry.model import SPEC_MODES
+
     return launch.main(argv, load_model=load_model, describe=describe, write_tiny=write_tiny, preload=PRELOAD,
-                       prog=f"python -m {__package__}.run")
+                       prog=f"python -m {__package__}.run", spec_modes=SPEC_MODES)
+
+
 
 
 if __name__ == "__main__":

@@ -140,14 +140,20 @@ class CausalLM(nn.Module):
             for layer in self.model.layers
         ]
 
-    def hidden_states(self, input_ids, positions=None, caches=None):
-        """The final-norm hidden states `[B, S, H]` (what a draft reads)."""
+    def hidden_states(self, input_ids, positions=None, caches=None, aux_layers=()):
+        """The final-norm hidden states `[B, S, H]` (what a draft reads); with `aux_layers`, also the outputs
+        of those layers concatenated, `[B, S, len(aux_layers) * H]` (what an Eagle3 draft reads)."""
         if positions is None:
             positions = torch.arange(input_ids.shape[-1], device=input_ids.device)
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions)
+        aux = []
         for i, layer in enumerate(self.model.layers):
             hidden = layer(hidden, positions, cos, sin, None if caches is None else caches[i])
+            if i in aux_layers:
+                aux.append(hidden)
+        if aux_layers:
+            return self.model.norm(hidden), torch.cat(aux, dim=-1)
         return self.model.norm(hidden)
 
     def forward(self, input_ids, positions=None, caches=None):
@@ -171,10 +177,17 @@ class CausalLM(nn.Module):
         top_p: float = 1.0,
         eos_token_id: int | None = None,
         seed: int = 0,
+        speculative=None,
     ) -> Generation:
         """Continue `input_ids [B, S]` by up to `max_new_tokens` ids: greedy when `temperature == 0`, else
         sampled (temperature, top-p). Rows that reach `eos_token_id` continue with it; all rows finished
-        stops early (single-rank builds only: ranks of a layout must run the same steps)."""
+        stops early (single-rank builds only: ranks of a layout must run the same steps). `speculative`
+        (draft tokens k, or a `runtime.speculative.Speculation`): decode with a draft (runtime.speculative)."""
+        if speculative is not None:
+            from runtime import speculative as spec
+
+            return spec.generate(self, input_ids, max_new_tokens, speculative, temperature=temperature,
+                                 top_p=top_p, eos_token_id=eos_token_id, seed=seed)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         if temperature < 0 or not 0 < top_p <= 1:

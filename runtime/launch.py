@@ -294,6 +294,8 @@ class ForwardJob:
     # tests use it for fp32 builds bound to the reference experts.
     loader: Callable | None = None
     generate: int = 0                # > 0: greedy-decode this many tokens after the prompt (`model.generate`)
+    spec_mode: str | None = None     # speculative_config.mode: load the target with its draft
+    draft_tokens: int = 0            # > 0: decode speculatively, the draft proposing this many per round
 
 
 def forward_rank(load_model: Callable, job: ForwardJob, rank: int, device: str) -> dict:
@@ -304,6 +306,8 @@ def forward_rank(load_model: Callable, job: ForwardJob, rank: int, device: str) 
     """
     build = job.loader or load_model
     kwargs = {} if job.moe_config is None else {"moe_config": job.moe_config}
+    if job.spec_mode is not None:
+        kwargs["speculative_config"] = {"mode": job.spec_mode}
     model = build(job.model, job.sm, job.parallel, checkpoint=job.checkpoint, checkpoint_name=job.checkpoint_name,
                   device=device, mode=job.mode, rank=rank, seed=job.seed, **kwargs)
     model.eval()
@@ -314,10 +318,13 @@ def forward_rank(load_model: Callable, job: ForwardJob, rank: int, device: str) 
     rows = job.tokens.chunk(layout.dp)[layout.dp_rank(rank)]
     described = {"build": type(model).__module__, "layout": (layout.tp, layout.moe_tp, layout.ep, layout.dp)}
     if job.generate:
-        out = model.generate(rows.to(device), job.generate)
+        out = model.generate(rows.to(device), job.generate, speculative=job.draft_tokens or None)
         tokens = parallel.all_gather(out.tokens.to(device), dim=0, group=parallel.DP).cpu()
-        return {"tokens": tokens, "prefill_s": out.prefill_s, "decode_s": out.decode_s,
-                "tokens_per_s": out.tokens_per_s * layout.dp, **described}
+        result = {"tokens": tokens, "prefill_s": out.prefill_s, "decode_s": out.decode_s,
+                  "tokens_per_s": out.tokens_per_s * layout.dp, **described}
+        if job.draft_tokens:
+            result["speculative"] = out.report()
+        return result
     with torch.no_grad():
         logits = model(rows.to(device))
         dtype = str(logits.dtype).removeprefix("torch.")
@@ -376,6 +383,8 @@ def summarize(target: RunTarget, result: dict, nproc: int, device: str, tokens: 
             lines.append(f"row {row} ({tokens.shape[1]} tokens) generated: {', '.join(map(str, generated[row].tolist()))}")
         lines.append(f"prefill {result['prefill_s'] * 1e3:.1f} ms; decode {generated.shape[1] - 1} steps of "
                      f"{generated.shape[0]} rows in {result['decode_s'] * 1e3:.1f} ms: {result['tokens_per_s']:.1f} tokens/s")
+        if "speculative" in result:
+            lines.append(result["speculative"])
         return "\n".join(lines)
     logits = result["logits"]
     lines += [
@@ -390,7 +399,7 @@ def summarize(target: RunTarget, result: dict, nproc: int, device: str, tokens: 
     return "\n".join(lines)
 
 
-def _parser(prog: str) -> argparse.ArgumentParser:
+def _parser(prog: str, spec_modes: Sequence[str] = ()) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, allow_abbrev=False, description="Run a generated build's parallel layout on N local ranks "
                                 "(gloo on CPU, NCCL on CUDA) and print rank 0's logits.")
     p.add_argument("--model", required=True)
@@ -415,6 +424,10 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                         f"(default: MOEGEN_DIST_TIMEOUT_S, else {DEFAULT_TIMEOUT_S:g})")
     p.add_argument("--generate", type=int, default=0, metavar="N",
                    help="greedy-decode N tokens after the prompt (static caches, CUDA graphs on a GPU) and print them")
+    p.add_argument("--spec-mode", choices=spec_modes or None,
+                   help="speculative_config.mode: load the target with the draft this mode needs")
+    p.add_argument("--draft-tokens", type=int, metavar="K",
+                   help="with --spec-mode and --generate: the draft proposes K tokens per target step (default 1)")
     p.add_argument("--logits-out", help="write rank 0's logits and the run's description here (torch.save)")
     p.add_argument("--tiny-dir", help="with --tiny: write the checkpoint here (kept) instead of a temporary folder")
     return p
@@ -426,13 +439,13 @@ def _under_torchrun() -> bool:
 
 
 def main(argv: Sequence[str] | None = None, *, load_model: Callable, describe: Callable, write_tiny: Callable,
-         preload: Sequence[str] = (), prog: str = "python -m generated.run") -> int:
+         preload: Sequence[str] = (), prog: str = "python -m generated.run", spec_modes: Sequence[str] = ()) -> int:
     """The launcher's command line; returns the exit code (0 ran, 1 a rank failed, 2 refused before starting).
 
-    `describe(model, sm, parallel, checkpoint, checkpoint_name) -> RunTarget` and
+    `describe(model, sm, parallel, checkpoint, checkpoint_name[, spec_mode]) -> RunTarget` and
     `write_tiny(model, sm, checkpoint_name, folder, seed)` come from the generated package.
     """
-    args = _parser(prog).parse_args(argv)
+    args = _parser(prog, spec_modes).parse_args(argv)
     torchrun = _under_torchrun()
 
     def refuse(message: str) -> int:
@@ -442,7 +455,8 @@ def main(argv: Sequence[str] | None = None, *, load_model: Callable, describe: C
     try:
         # Resolved once, here: every rank gets the same bound, --timeout over the documented variable.
         timeout_s = parallel.timeout_seconds(args.timeout)
-        target = describe(args.model, args.sm, args.parallel, args.checkpoint, args.checkpoint_name)
+        spec = {} if args.spec_mode is None else {"spec_mode": args.spec_mode}
+        target = describe(args.model, args.sm, args.parallel, args.checkpoint, args.checkpoint_name, **spec)
     except (ValueError, LookupError, OSError) as e:
         return refuse(str(e))
     world = target.layout.world
@@ -462,6 +476,15 @@ def main(argv: Sequence[str] | None = None, *, load_model: Callable, describe: C
         return refuse(str(e))
     if args.generate < 0:
         return refuse(f"--generate takes a number of tokens >= 1, got {args.generate}")
+    if args.draft_tokens is not None and args.spec_mode is None:
+        return refuse("--draft-tokens sets the draft's proposals per round: give --spec-mode too")
+    if args.spec_mode is not None and not args.generate:
+        return refuse("--spec-mode decodes with a draft: give --generate N too")
+    if args.draft_tokens is not None and args.draft_tokens < 1:
+        return refuse(f"--draft-tokens takes a number of proposals >= 1, got {args.draft_tokens}")
+    if args.spec_mode is not None and target.layout.dp > 1:
+        return refuse(f"speculative decoding needs every rank to accept the same tokens; {target.parallel} runs "
+                      f"{target.layout.dp} data-parallel replicas: use a layout without attention data parallelism")
     if args.generate and args.logits_out:
         return refuse("--logits-out writes a forward's logits; it does not combine with --generate")
     if tokens.shape[0] % target.layout.dp:
@@ -480,7 +503,8 @@ def main(argv: Sequence[str] | None = None, *, load_model: Callable, describe: C
                 return refuse(f"cannot write a tiny checkpoint of {args.model}: {e}")
         selection = {k: v for k, v in (("backend", args.backend), ("tactic", args.tactic)) if v is not None}
         job = ForwardJob(args.model, args.sm, args.parallel, str(checkpoint), target.checkpoint_name, tokens,
-                         mode=args.mode, seed=args.seed, moe_config=selection or None, generate=args.generate)
+                         mode=args.mode, seed=args.seed, moe_config=selection or None, generate=args.generate,
+                         spec_mode=args.spec_mode, draft_tokens=(args.draft_tokens or 1) if args.spec_mode else 0)
         if torchrun:
             rank, world = init_distributed(args.device, timeout_s)
             device = rank_device(args.device, int(os.environ.get("LOCAL_RANK", rank)))

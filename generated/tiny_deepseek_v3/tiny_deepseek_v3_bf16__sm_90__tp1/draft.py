@@ -55,7 +55,10 @@ class Draft(nn.Module):
     """`forward(next_token_ids [B, S], previous_hidden [B, S, H], positions, cache, step=0) -> (logits, hidden)`.
 
     `previous_hidden` is the target's `hidden_states(...)`: after its final norm, as the reference engines pass it.
+    The draft interface of runtime.speculative: it reads those hidden states (`INPUT`) and proposes target ids.
     """
+
+    INPUT = "hidden"
 
     def __init__(self, device="cpu", rank=0, dtype=torch.bfloat16):
         super().__init__()
@@ -87,6 +90,10 @@ class Draft(nn.Module):
         cos, sin = self.rotary_emb(positions)
         hidden = block(block.embed_tokens(next_token_ids), previous_hidden, positions, cos, sin, cache)
         return block.shared_head(hidden), hidden
+
+    def to_target_ids(self, ids):
+        """The MTP head scores the target's own vocabulary."""
+        return ids
 
     def load_checkpoint(self, path, progress=None):
         return load_checkpoint(self, path, ignore=IGNORED_TENSORS, progress=progress, device=self.device)

@@ -1,0 +1,433 @@
+"""Speculative decoding (RULES SD1-SD3): a draft proposes `k` tokens, the target verifies them in one forward over its static cache, and the agreeing prefix plus the target's own next token is kept.
+
+The draft interface every draft build presents (SD2):
+
+- `INPUT`: `"hidden"` (embedded MTP: the target's final-norm hidden states, what its head reads),
+  `"aux_hidden"` (Eagle3: the outputs of the target layers `AUX_LAYERS`, concatenated), or `"tokens"`
+  (an external drafter: tokens only; `ExternalDrafter` wraps a whole `CausalLM` build this way);
+- `new_caches(batch_size, max_seq_len)`: a list of caches; draft step `j` uses `caches[j % len]`;
+- `forward(next_token_ids [B, S], target_hidden [B, S, *] | None, positions [S], cache, step=0)
+  -> (logits [B, S, V_draft], hidden [B, S, H])`: the entry at position `i` reads the token at `i + 1`
+  and the target's hidden state at `i`, and predicts the token at `i + 2`; later steps read the
+  draft's own hidden output instead of the target's;
+- `to_target_ids(ids)`: draft-vocabulary ids to target ids (identity when absent).
+
+One round, for every row at once (the rows share positions, so a round keeps the smallest agreeing
+prefix over the rows; each row's kept tokens are still its target's own tokens):
+
+1. draft phase: one forward over the previous verify block (`k + 1` entries: catches the draft's cache
+   up with what the target accepted, and gives the first proposal at the accepted index), then `k - 1`
+   one-token steps;
+2. verify phase: the target runs `[next token, k proposals]` at positions `pos .. pos + k`, takes its
+   argmax at each, counts the leading proposals equal to it (`a`), emits its own tokens `0 .. a`, and
+   moves `pos` by `a + 1`. Sampled decoding accepts by speculative sampling instead (`accept_sampled`).
+
+Rollback is a position: both caches are static, so the slots of rejected tokens are rewritten by the
+next round before any query reaches them, and every attention mask hides keys after the query
+(`attention_core.allowed_keys`), so a stale slot is never attended. Both phases read and write only
+fixed device buffers with fixed shapes, so on CUDA each is captured once as a CUDA graph and replayed;
+the only host sync is reading `a` once per round (to emit that many tokens and know when to stop).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from runtime.decoding import Generation, batch_bucket, length_bucket
+
+log = logging.getLogger("moegen")
+
+INPUTS = ("hidden", "aux_hidden", "tokens")
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """What `generate(..., speculative=...)` takes: `draft_tokens` (k) proposals per round, from `draft`
+    (default: the draft `load_model` attached to the target)."""
+
+    draft_tokens: int
+    draft: object = None
+
+
+@dataclass
+class SpeculativeGeneration(Generation):
+    """A `Generation` plus the draft's record (SD3): proposals made and accepted (per row, summed over
+    rounds), target verify steps, and `note` when no draft ran."""
+
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    near_ties: int = 0      # greedy: kept tokens whose target top-2 logits were within the dtype's eps (SD1)
+    note: str | None = None
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens each target verify step yields: accepted proposals plus its own token, per round."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        # Generated tokens after the first (which prefill yields) over decode time, as Generation's.
+        made = self.tokens.shape[0] * (self.new_tokens.shape[1] - 1)
+        return made / self.decode_s if self.decode_s > 0 else float("nan")
+
+    def report(self) -> str:
+        if self.note is not None:
+            return self.note
+        return (f"speculative: {self.rounds} target steps, {self.proposed} proposed, {self.accepted} accepted "
+                f"({self.accepted / max(1, self.proposed):.1%}), acceptance length {self.acceptance_length:.2f}, "
+                f"{self.near_ties} near-tie tokens")
+
+
+def vocab_size(model) -> int:
+    """A CausalLM build's vocabulary (all tensor-parallel shards of its embedding)."""
+    embed = model.model.embed_tokens
+    return embed.local_vocab * embed.tp_size
+
+
+class ExternalDrafter:
+    """A whole `CausalLM` build (same tokenizer) as a draft: fed only tokens, its entry `i` of the draft
+    interface is its own position `i + 1` (it reads the token there and predicts the next)."""
+
+    INPUT = "tokens"
+
+    def __init__(self, model, target) -> None:
+        ours, theirs = vocab_size(target), vocab_size(model)
+        if ours != theirs:
+            raise ValueError(
+                f"the external drafter {type(model).__name__} has a vocabulary of {theirs} ids and the target "
+                f"{type(target).__name__} of {ours}: a drafter must share the target's tokenizer (RULES SD2)")
+        self.model = model
+
+    def new_caches(self, batch_size, max_seq_len):
+        # One position more than the interface's: the drafter also holds the prompt's first token.
+        return [self.model.new_caches(batch_size, max_seq_len + 1)]
+
+    def prefill(self, input_ids, target_hidden, caches):
+        """The whole prompt at the drafter's positions `0 .. n-1` (the interface's `-1 .. n-2`)."""
+        self.model(input_ids, torch.arange(input_ids.shape[1], device=input_ids.device), caches[0])
+
+    def forward(self, next_token_ids, target_hidden, positions, cache, step=0):
+        hidden = self.model.hidden_states(next_token_ids, positions + 1, cache)
+        return self.model.lm_head(hidden), hidden
+
+    __call__ = forward
+
+
+def _draft_input(draft) -> str:
+    kind = getattr(draft, "INPUT", None)
+    if kind not in INPUTS:
+        raise ValueError(f"{type(draft).__name__}.INPUT is {kind!r}; a draft declares one of {', '.join(INPUTS)}")
+    return kind
+
+
+class SpeculativeDecoder:
+    """Target and draft caches for `batch_size` rows of `max_seq_len` positions, and the two phases of a
+    round (captured as CUDA graphs on CUDA, eager elsewhere). Greedy: the draft proposes its argmax and
+    the target keeps its own argmax, so the output is the target's own greedy output (SD1). Sampled
+    (`temperature > 0`, top-p): the draft draws from its nucleus and `accept_sampled` keeps each token as
+    a draw from the target's."""
+
+    def __init__(self, target, draft, k: int, batch_size: int, max_seq_len: int, temperature: float = 0.0,
+                 top_p: float = 1.0) -> None:
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"the draft proposes at least 1 token per round (--draft-tokens), got {k!r}")
+        self.target, self.draft, self.k = target, draft, k
+        self.input = _draft_input(draft)
+        self.aux_layers = tuple(getattr(draft, "AUX_LAYERS", ())) if self.input == "aux_hidden" else ()
+        self.to_target = getattr(draft, "to_target_ids", None)
+        device = target.device
+        self.batch_size, self.max_seq_len = batch_size, max_seq_len
+        self.target_caches = target.new_caches(batch_size, max_seq_len)
+        self.draft_caches = draft.new_caches(batch_size, max_seq_len)
+        ids = dict(dtype=torch.int64, device=device)
+        self.offsets = torch.arange(k + 1, **ids)
+        self.tokens = torch.zeros(batch_size, k + 1, **ids)      # verify input: next token, then proposals
+        self.pos = torch.zeros(1, **ids)                          # position of tokens[:, 0]
+        self.emitted = torch.zeros(batch_size, k + 1, **ids)     # the target's tokens of the last verify
+        self.kept = torch.zeros(1, **ids)                         # a: proposals accepted in the last verify
+        self.ties = torch.zeros(batch_size, **ids)                # per row: near-tie tokens kept so far
+        self.tie_eps = torch.finfo(target.dtype).eps
+        self.draft_tokens = torch.zeros(batch_size, k + 1, **ids)  # the draft's catch-up block
+        self.draft_pos = torch.zeros(1, **ids)
+        self.draft_sel = torch.zeros(1, **ids)
+        self.draft_hidden = None                                  # [B, k+1, *]: allocated at prefill
+        self.graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        # Sampling (temperature > 0): the draft's distributions over the target vocabulary, and the draws'
+        # generator (reseeded per call; registered with the graphs that draw from it).
+        self.temperature, self.top_p = temperature, top_p
+        self.generator = torch.Generator(device=device) if temperature > 0 else None
+        self.draft_probs = None                                   # [B, k, V_target]
+        self.vocab_map = None                                     # draft id -> target id, for the probabilities
+
+    def _target_forward(self, ids, positions):
+        """Logits and what the draft reads (final-norm hidden states, aux layer outputs, or None)."""
+        if self.aux_layers:
+            final, aux = self.target.hidden_states(ids, positions, self.target_caches, aux_layers=self.aux_layers)
+        else:
+            final = self.target.hidden_states(ids, positions, self.target_caches)
+            aux = final if self.input == "hidden" else None
+        return self.target.lm_head(final), aux
+
+    def _propose(self, logits, step):
+        """Draft step `step`'s target ids `[B, S]`: its argmax, or (sampling) a draw from its nucleus, whose
+        probabilities over the target vocabulary it keeps for the verify phase."""
+        if self.generator is None:
+            ids = logits.argmax(dim=-1)
+            return ids if self.to_target is None else self.to_target(ids)
+        probs = nucleus(logits[:, -1], self.temperature, self.top_p)
+        if self.to_target is not None:
+            if self.vocab_map is None:  # set in the eager warm-up, before any capture
+                self.vocab_map = self.to_target(torch.arange(probs.shape[-1], device=probs.device))
+            mapped = probs.new_zeros(probs.shape[0], vocab_size(self.target))
+            probs = mapped.index_add_(1, self.vocab_map, probs)
+        if self.draft_probs is None:
+            self.draft_probs = probs.new_zeros(probs.shape[0], self.k, probs.shape[-1])
+        self.draft_probs[:, step] = probs
+        return draw(probs, self.generator)[:, None]
+
+    def _draft_cache(self, step):
+        return self.draft_caches[step % len(self.draft_caches)]
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Both caches from position 0 with `[batch_size, n]` prompts; returns the target's next ids `[B]`."""
+        batch, n = input_ids.shape
+        if batch != self.batch_size or n + self.k + 1 > self.max_seq_len:
+            raise ValueError(f"this decoder takes {self.batch_size} rows of at most {self.max_seq_len - self.k - 1} "
+                             f"tokens, got {list(input_ids.shape)}")
+        logits, hidden = self._target_forward(input_ids, torch.arange(n, device=input_ids.device))
+        if self.generator is None:
+            token = logits[:, -1].argmax(dim=-1)
+        else:
+            token = draw(nucleus(logits[:, -1], self.temperature, self.top_p), self.generator)
+        if hasattr(self.draft, "prefill"):
+            self.draft.prefill(input_ids, hidden, self.draft_caches)
+        elif n > 1:  # entries 0 .. n-2; entry n-1 (it needs `token`) opens the first round's catch-up block
+            self.draft.forward(input_ids[:, 1:], hidden[:, :-1], torch.arange(n - 1, device=input_ids.device),
+                               self._draft_cache(0), step=0)
+        if hidden is not None:
+            if self.draft_hidden is None:  # once: the captured phases read this buffer
+                self.draft_hidden = hidden.new_zeros(batch, self.k + 1, hidden.shape[-1])
+            self.draft_hidden.zero_()
+            self.draft_hidden[:, 0] = hidden[:, -1]
+        self.ties.zero_()
+        if self.generator is None:
+            self.ties.add_(near_ties(logits[:, -1:], self.tie_eps).sum(dim=1))
+        self.draft_tokens.zero_()
+        self.draft_tokens[:, 0] = token
+        self.draft_pos.fill_(n - 1)
+        self.draft_sel.zero_()
+        self.tokens[:, 0] = token
+        self.pos.fill_(n)
+        return token
+
+    def _draft_phase(self) -> None:
+        """Catch-up block at `draft_pos`, first proposal at its entry `draft_sel`, then `k - 1` steps."""
+        logits, hidden = self.draft.forward(
+            self.draft_tokens, self.draft_hidden, self.draft_pos + self.offsets, self._draft_cache(0), step=0)
+        token = self._propose(logits.index_select(1, self.draft_sel), 0)       # [B, 1]
+        hidden = hidden.index_select(1, self.draft_sel)
+        self.tokens[:, 1:2] = token
+        position = self.draft_pos + self.draft_sel
+        for step in range(1, self.k):
+            position = position + 1
+            logits, hidden = self.draft.forward(
+                token, None if self.input == "tokens" else hidden, position, self._draft_cache(step), step=step)
+            token = self._propose(logits, step)
+            self.tokens[:, step + 1:step + 2] = token
+
+    def _verify_phase(self) -> None:
+        """Target over `tokens` at `pos .. pos + k`; accept, emit, and set up the draft's next catch-up."""
+        positions = self.pos + self.offsets
+        logits, hidden = self._target_forward(self.tokens, positions)
+        if self.generator is None:
+            ours = logits.argmax(dim=-1)                                       # [B, k+1]
+            agree = (self.tokens[:, 1:] == ours[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+            kept = agree.min().view(1)
+            self.ties.add_((near_ties(logits, self.tie_eps) & (self.offsets <= kept)).sum(dim=1))
+        else:
+            ours, kept = accept_sampled(nucleus(logits, self.temperature, self.top_p), self.draft_probs,
+                                        self.tokens[:, 1:], self.generator)
+        self.kept.copy_(kept)
+        self.emitted.copy_(ours)
+        # The catch-up block: entry j is position pos + j reading the token at pos + j + 1, which is the
+        # token kept there (for j < a the accepted proposal; j = a the target's own next token).
+        self.draft_tokens.copy_(ours)
+        if self.draft_hidden is not None:
+            self.draft_hidden.copy_(hidden)
+        self.draft_pos.copy_(self.pos)
+        self.draft_sel.copy_(kept)
+        self.tokens[:, :1] = ours.gather(1, kept.view(1, 1).expand(self.batch_size, 1))
+        self.pos.add_(kept + 1)
+
+    def _run(self, name: str, phase) -> None:
+        if self.tokens.device.type != "cuda":
+            phase()
+            return
+        if name not in self.graphs:
+            self.graphs[name] = self._capture(phase)
+        self.graphs[name].replay()
+
+    def _capture(self, phase) -> torch.cuda.CUDAGraph:
+        # Warm up outside the capture (allocator, cuBLAS, kernel compilation) with the state saved and
+        # restored: the warm-up's cache writes are the ones the first replay repeats.
+        state = [self.tokens, self.pos, self.emitted, self.kept, self.ties, self.draft_tokens,
+                 self.draft_pos, self.draft_sel] + ([self.draft_hidden] if self.draft_hidden is not None else [])
+        saved = [t.clone() for t in state]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            phase()
+        torch.cuda.current_stream().wait_stream(side)
+        for t, s in zip(state, saved):
+            t.copy_(s)
+        graph = torch.cuda.CUDAGraph()
+        if self.generator is not None:
+            graph.register_generator_state(self.generator)
+        with torch.cuda.graph(graph):
+            phase()
+        return graph
+
+    @torch.no_grad()
+    def round(self) -> tuple[torch.Tensor, int]:
+        """One draft phase and one verify phase: the target's emitted ids `[B, a + 1]` and `a`."""
+        self._run("draft", self._draft_phase)
+        self._run("verify", self._verify_phase)
+        kept = int(self.kept)  # the round's one host sync
+        return self.emitted[:, :kept + 1].clone(), kept
+
+
+def near_ties(logits: torch.Tensor, eps: float) -> torch.Tensor:
+    """`[..., V]` logits -> booleans `[...]`: the top two are within `eps` of the larger magnitude (at least
+    1), where another rounding of the same computation may swap the argmax (RULES SD1 in bf16)."""
+    top = logits.float().topk(2, dim=-1).values
+    return top[..., 0] - top[..., 1] <= eps * top[..., 0].abs().clamp_min(1.0)
+
+
+def nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """fp32 probabilities `[..., V]` of the tempered top-p nucleus (as `decoding.sample` draws from), in id order."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    ordered, order = probs.sort(dim=-1, descending=True)
+    # Keep the smallest prefix whose mass reaches top_p (the most likely id always stays).
+    ordered = ordered.masked_fill(ordered.cumsum(dim=-1) - ordered >= top_p, 0.0)
+    probs = torch.zeros_like(probs).scatter_(-1, order, ordered)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def draw(probs: torch.Tensor, generator) -> torch.Tensor:
+    """One id per row of `probs [..., V]`: argmax(p / E), E ~ Exp(1), draws i with probability p_i (no host sync)."""
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / race).argmax(dim=-1)
+
+
+def accept_sampled(p: torch.Tensor, q: torch.Tensor, proposals: torch.Tensor, generator):
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023) for rows that share positions.
+
+    `p [B, k+1, V]` the target's distributions at the k+1 verified positions, `q [B, k, V]` the draft's,
+    `proposals [B, k]` drawn from `q`. Proposal j of a row is accepted with probability
+    `min(1, p_j(d) / q_j(d))`; `a` is the smallest count of leading acceptances over the rows. At index `a`
+    a row that accepted its proposal there keeps it; one that rejected it draws from the residual
+    `max(0, p_a - q_a)` renormalized, and at `a = k` every row draws from `p_k`: each kept token is a draw
+    from the target's distribution. Returns the kept ids `[B, k+1]` (valid through `a`) and `a` `[1]`.
+    """
+    batch, k = proposals.shape
+    pick = proposals.unsqueeze(-1)
+    accepted = torch.rand(batch, k, device=p.device, generator=generator) * q.gather(-1, pick).squeeze(-1) \
+        < p[:, :k].gather(-1, pick).squeeze(-1)
+    agree = accepted.long().cumprod(dim=1).sum(dim=1)
+    kept = agree.min().view(1)
+    at = kept.view(1, 1).expand(batch, 1)
+    p_at = p.gather(1, at.unsqueeze(-1).expand(batch, 1, p.shape[-1])).squeeze(1)
+    q_full = torch.cat((q, q.new_zeros(batch, 1, q.shape[-1])), dim=1)  # the bonus position: residual = p_k
+    q_at = q_full.gather(1, at.unsqueeze(-1).expand(batch, 1, q.shape[-1])).squeeze(1)
+    residual = (p_at - q_at).clamp_min(0.0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)  # p == q: never rejected
+    padded = torch.cat((proposals, proposals[:, -1:]), dim=1)
+    token = torch.where(agree > kept, padded.gather(1, at).squeeze(1), draw(residual, generator))
+    return padded.scatter(1, at, token.unsqueeze(1)), kept
+
+
+def speculative_decoder(target, draft, k: int, batch_size: int, max_seq_len: int, temperature: float = 0.0,
+                        top_p: float = 1.0) -> SpeculativeDecoder:
+    """The decoder of the bucket (as `CausalLM.decoder`), made once per target, draft, k and sampling."""
+    key = (id(draft), k, batch_bucket(batch_size), length_bucket(max_seq_len + k + 1), temperature, top_p)
+    decoders = target.__dict__.setdefault("_speculative_decoders", {})
+    if key not in decoders:
+        decoders[key] = SpeculativeDecoder(target, draft, k, key[2], key[3], temperature, top_p)
+    return decoders[key]
+
+
+def attach_draft(target, draft, note: str | None = None) -> None:
+    """Make `draft` the target's default draft (`target.draft`), kept out of the target's module tree so
+    its parameters, state dict and checkpoint loading stay the target's own; without one, `note` says why
+    (what a speculative `generate` then logs and reports)."""
+    target.__dict__["draft"] = draft
+    target.__dict__["draft_note"] = note
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def generate(target, input_ids: torch.Tensor, max_new_tokens: int, speculative, *, temperature: float = 0.0,
+             eos_token_id: int | None = None, **plain) -> SpeculativeGeneration:
+    """`target.generate` with a draft: `speculative` is a `Speculation` or the number of draft tokens k
+    (the draft then is `target.draft`). Without a draft, decodes with the target alone and says so."""
+    if not isinstance(speculative, Speculation):
+        speculative = Speculation(speculative)
+    k = speculative.draft_tokens
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"the draft proposes at least 1 token per round (--draft-tokens), got {k!r}")
+    draft = speculative.draft if speculative.draft is not None else getattr(target, "draft", None)
+    if draft is None:
+        note = getattr(target, "draft_note", None) or (
+            f"{type(target).__name__} was loaded without a draft (no speculative_config.mode): "
+            "decoded with the target alone")
+        log.warning("%s", note)
+        out = target.generate(input_ids, max_new_tokens, temperature=temperature, eos_token_id=eos_token_id, **plain)
+        return SpeculativeGeneration(out.tokens, out.prompt_len, out.prefill_s, out.decode_s, out.decode_steps,
+                                     note=note)
+    top_p = plain.get("top_p", 1.0)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature} and {top_p}")
+    batch, seq = input_ids.shape
+    decoder = speculative_decoder(target, draft, k, batch, seq + max_new_tokens, temperature,
+                                  top_p if temperature > 0 else 1.0)
+    if decoder.generator is not None:
+        decoder.generator.manual_seed(plain.get("seed", 0))
+    device = decoder.tokens.device
+    ids = input_ids.to(device)
+    if decoder.batch_size > batch:  # pad to the bucket with copies of the last row, dropped at the end
+        ids = torch.cat((ids, ids[-1:].expand(decoder.batch_size - batch, seq)))
+
+    _sync(device)
+    start = time.perf_counter()
+    out = [decoder.prefill(ids)[:, None]]
+    _sync(device)
+    prefilled = time.perf_counter()
+    made, rounds, accepted = 1, 0, 0
+    while made < max_new_tokens:
+        if eos_token_id is not None and bool((torch.cat(out, 1)[:batch] == eos_token_id).any(1).all()):
+            break
+        emitted, kept = decoder.round()
+        out.append(emitted)
+        made += kept + 1
+        rounds += 1
+        accepted += kept
+    _sync(device)
+    done = time.perf_counter()
+    tokens = torch.cat(out, dim=1)[:batch, :max_new_tokens].cpu()
+    if eos_token_id is not None:  # rows that reached EOS continue with it, as target-only generate does
+        after = (tokens == eos_token_id).long().cumsum(1) > 0
+        tokens = tokens.masked_fill(after, eos_token_id)
+    return SpeculativeGeneration(torch.cat((input_ids.cpu(), tokens), dim=1), seq, prefilled - start,
+                                 done - prefilled, rounds, rounds=rounds, proposed=rounds * k, accepted=accepted,
+                                 near_ties=int(decoder.ties[:batch].sum()))
