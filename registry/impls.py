@@ -47,9 +47,9 @@ _IMPL_KEYS = {"id", "family", "priority", "sms", "verified_sms", "cpu", "class",
 WEIGHTS = {
     "none": "unquantized, used as loaded",
     "at_load": "dequantized to bf16 at load",
-    "per_expert_group": "kept packed as loaded; dequantized to bf16 per expert group in the forward",
-    "per_expert": "kept quantized as loaded; one expert's dequantized to fp32 when it runs",
-    "in_kernel": "kept quantized (re-laid out at load); decoded in registers by the GEMM kernel",
+    "per_expert_group": "kept packed, dequantized per expert group in the forward",
+    "per_expert": "kept quantized, dequantized per expert when it runs",
+    "in_kernel": "kept quantized, decoded in registers by the GEMM kernel",
 }
 _CLASS_PATH_RE = re.compile(r"^[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*:[A-Z][A-Za-z0-9]*$")
 _FAMILY_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")
@@ -110,7 +110,7 @@ class Impl:
     def verification(self, sm: int) -> str:
         """Whether it has run on `sm`, as a report line says it (an SM it does not run on: not asked)."""
         if sm in self.verified_sms:
-            return f"runs on sm_{sm}: verified (its tests passed on that SM)"
+            return f"runs on sm_{sm}: verified (tests passed there)"
         return f"runs on sm_{sm}: unverified (never run on that SM)"
 
 

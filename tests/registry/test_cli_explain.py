@@ -36,7 +36,7 @@ target kimi_k3_mxfp4__sm_100__tp16_moetp4ep4 (honors 1 target id, any draft id):
 w4a8_mxfp4_mxfp8, w4a8_mxfp4_fp8 come first, but on sm_100 only VANILLA runs them, and a reference counts only alone (RULES FN2))
     request AUTO (moe_config.backend)
     -> torch.grouped_mm.grouped_gemm.w4a16_mxfp4  TORCH, preferred
-       weights: kept packed as loaded; dequantized to bf16 per expert group in the forward
+       weights: kept packed, dequantized per expert group in the forward
        runs on sm_100: unverified (never run on that SM)
        also eligible: none
        turned down:   cupy.mma.grouped_gemm.w4a16_mxfp4: SM_UNSUPPORTED (sm_100 is not among sm_90)
@@ -62,7 +62,7 @@ def test_explain_json_for_kimi_k3_on_sm_100_carries_the_same_facts(capsys):
     assert site["loads"] == "kimi_k3_mxfp4__sm_100__tp16_moetp4ep4"
     assert (layer["winner"], layer["family"], layer["selected_by"], layer["run_format"]) == (
         "torch.grouped_mm.grouped_gemm.w4a16_mxfp4", "TORCH", "preferred", "w4a16_mxfp4")
-    assert layer["weights"] == "kept packed as loaded; dequantized to bf16 per expert group in the forward"
+    assert layer["weights"] == "kept packed, dequantized per expert group in the forward"
     assert layer["verification"] == "runs on sm_100: unverified (never run on that SM)"
     assert layer["run_format_source"] == (
         "MXFP4 checkpoint, sm_100 preference: w4a8_mxfp4_mxfp8, w4a8_mxfp4_fp8 come first, but on sm_100 only "
@@ -73,8 +73,8 @@ def test_explain_says_an_implementation_ran_on_the_sm_where_its_tests_passed(cap
     code, out, _ = explain(capsys, "--model", "gpt_oss_120b", "--sm", "90")
     assert code == 0
     assert ("    -> cupy.mma.grouped_gemm.w4a16_mxfp4  CUPY, preferred\n"
-            "       weights: kept quantized (re-laid out at load); decoded in registers by the GEMM kernel\n"
-            "       runs on sm_90: verified (its tests passed on that SM)\n") in out
+            "       weights: kept quantized, decoded in registers by the GEMM kernel\n"
+            "       runs on sm_90: verified (tests passed there)\n") in out
 
 
 def test_explain_shows_the_draft_layers_when_a_speculative_mode_is_set(capsys):
