@@ -37,15 +37,21 @@ def render_catalog(registry: Registry) -> str:
         "first eligible one serves a layer (RULES RQ3, LR1). Pin one with `moe_config.tactic` set to its",
         "shortest tactic, or select a family with `moe_config.backend` (RULES TA, RQ).",
         "",
-        "| priority | id | shortest tactic | family | format | SMs | host CPU | capabilities | shape constraints | runtime class |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "`SMs` are the GPUs an implementation is built for; `verified on` those of them where its tests",
+        "have passed (the others are claimed, never run). `weights` says where quantized weights are",
+        "dequantized.",
+        "",
+        "| priority | id | shortest tactic | family | format | SMs | verified on | host CPU | weights | capabilities | shape constraints | runtime class |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for impl in registry.impls:
         sms = ", ".join(str(s) for s in sorted(impl.sms))
+        verified = ", ".join(str(s) for s in sorted(impl.verified_sms)) or "no GPU"
         cons = f"hidden % {impl.constraints.hidden_multiple}, intermediate shard % {impl.constraints.intermediate_multiple}"
         lines.append(
             f"| {impl.priority} | `{impl.id}` | `{shortest_query(impl.id, registry)}` | {impl.family} | {impl.format} "
-            f"| {sms} | {'yes' if impl.cpu else 'no'} | {_caps(impl)} | {cons} | `{impl.class_path}` |"
+            f"| {sms} | {verified} | {'yes' if impl.cpu else 'no'} | {_cell(impl.weights_text)} | {_caps(impl)} | {cons} "
+            f"| `{impl.class_path}` |"
         )
     lines += ["", "## Backend literals (`moe_config.backend`)", "", "| literal | meaning |", "|---|---|"]
     lines.append(f"| `{AUTO}` | every implementation in priority order (a preference, not a pin) |")

@@ -101,6 +101,8 @@ def _report_lines(report: LayerReport) -> list[str]:
         f"runs {report.run_format} ({report.run_format_source})",
         f"    request {report.requested} ({report.field})",
         f"    -> {report.winner}  {report.family}, {report.selected_by}",
+        f"       weights: {report.weights}",
+        f"       {report.verification}",
         f"       also eligible: {', '.join(report.alternatives) or 'none'}",
     ]
     if report.rejections:

@@ -113,6 +113,7 @@ def _summary(plan: BuildPlan) -> list[str]:
             f"MoE {kind} layers {span(tuple(report['layers']))} ({report['run_format']}): {report['winner']} "
             f"({report['family']}, {report['selected_by']})."
         )
+        lines.append(f"  Weights {report['weights']}; {report['verification']}.")
     return lines
 
 

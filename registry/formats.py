@@ -127,5 +127,27 @@ def run_format(checkpoint_format: str, candidates: tuple[Impl, ...], sm: int, re
     """The format a layer runs as, and a short note of why (shown by `explain`)."""
     if checkpoint_format == "mxfp4":
         fmt = mxfp4_run_format(candidates, sm, registry, asked)
-        return fmt, f"MXFP4 checkpoint, sm_{sm} preference"
+        return fmt, f"MXFP4 checkpoint, sm_{sm} preference{_passed_over(fmt, candidates, sm, registry)}"
     return checkpoint_format, "checkpoint format"
+
+
+def _passed_over(fmt: str, candidates: tuple[Impl, ...], sm: int, registry: Registry) -> str:
+    """Why the SM's more preferred MXFP4 run formats, if any, did not win (FN2), for the note above."""
+    preference = registry.mxfp4_preference(sm)
+    earlier = preference[:preference.index(fmt)]
+    if not earlier:
+        return ""
+    runners = {f: sorted({c.family for c in candidates if c.format == f and c.runs_on(sm)}) for f in earlier}
+    emulated = tuple(f for f in earlier if runners[f])
+    absent = tuple(f for f in earlier if not runners[f])
+    verb = "comes" if len(earlier) == 1 else "come"
+    pronoun = "it" if len(earlier) == 1 else "them"
+    parts = []
+    if emulated:
+        families = ", ".join(sorted({family for f in emulated for family in runners[f]}))
+        which = pronoun if emulated == earlier else ", ".join(emulated)
+        parts.append(f"on sm_{sm} only {families} runs {which}, and a reference counts only alone")
+    if absent:
+        which = pronoun if absent == earlier else ", ".join(absent)
+        parts.append(f"no implementation of the request runs {which} on sm_{sm}")
+    return f": {', '.join(earlier)} {verb} first, but {'; '.join(parts)} (RULES FN2)"

@@ -41,7 +41,16 @@ _CAPABILITY_KEYS = (
     "moe_tensor_parallel",
 )
 _CONSTRAINT_KEYS = ("hidden_multiple", "intermediate_multiple")
-_IMPL_KEYS = {"id", "family", "priority", "sms", "cpu", "class", "doc", "capabilities", "constraints"}
+_IMPL_KEYS = {"id", "family", "priority", "sms", "verified_sms", "cpu", "class", "doc", "weights", "capabilities", "constraints"}
+# Where an implementation's weights are dequantized (`weights`), as the catalog, the build docstrings
+# and `explain` say it. "none" is the bf16 implementations' value and theirs alone.
+WEIGHTS = {
+    "none": "unquantized, used as loaded",
+    "at_load": "dequantized to bf16 at load",
+    "per_expert_group": "kept packed, dequantized per expert group in the forward",
+    "per_expert": "kept quantized, dequantized per expert when it runs",
+    "in_kernel": "kept quantized, decoded in registers by the GEMM kernel",
+}
 _CLASS_PATH_RE = re.compile(r"^[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*:[A-Z][A-Za-z0-9]*$")
 _FAMILY_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")
 
@@ -70,9 +79,11 @@ class Impl:
     family: str
     priority: int
     sms: frozenset[int]
+    verified_sms: frozenset[int]   # the SMs its tests have passed on: a subset of `sms`
     cpu: bool
     class_path: str
     doc: str
+    weights: str                   # a key of WEIGHTS
     capabilities: Capabilities
     constraints: Constraints
 
@@ -91,6 +102,16 @@ class Impl:
 
     def runs_on(self, sm: int) -> bool:
         return sm in self.sms
+
+    @property
+    def weights_text(self) -> str:
+        return WEIGHTS[self.weights]
+
+    def verification(self, sm: int) -> str:
+        """Whether it has run on `sm`, as a report line says it (an SM it does not run on: not asked)."""
+        if sm in self.verified_sms:
+            return f"runs on sm_{sm}: verified (tests passed there)"
+        return f"runs on sm_{sm}: unverified (never run on that SM)"
 
 
 @dataclass(frozen=True)
@@ -226,6 +247,20 @@ def _impl(source: str, index: int, body: dict, families: set[str]) -> Impl:
     sms = body["sms"]
     if not isinstance(sms, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in sms):
         raise RegistryError(f"{where}: sms must be a list of SM numbers such as [90, 100]")
+    verified = body["verified_sms"]
+    if not isinstance(verified, list) or not all(isinstance(s, int) and not isinstance(s, bool) for s in verified):
+        raise RegistryError(f"{where}: verified_sms must be a list of SM numbers such as [90] (the SMs its tests passed on)")
+    claimed = sorted(set(verified) - set(sms))
+    if claimed:
+        raise RegistryError(f"{where}: verified_sms lists sm {claimed[0]}, which is not among sms {sorted(sms)}")
+    weights = body["weights"]
+    if not isinstance(weights, str) or weights not in WEIGHTS:
+        raise RegistryError(f"{where}: weights must be one of {list(WEIGHTS)}, not {weights!r}")
+    if impl_id.quant == "bf16" and weights != "none":
+        raise RegistryError(f"{where}: weights must be 'none' for a bf16 implementation (it holds no quantized weights)")
+    if impl_id.quant != "bf16" and weights == "none":
+        raise RegistryError(f"{where}: weights 'none' is for bf16 implementations; say where its {impl_id.quant} "
+                            f"weights are dequantized: one of {[w for w in WEIGHTS if w != 'none']}")
     if not _CLASS_PATH_RE.match(body["class"]):
         raise RegistryError(f"{where}: class must read 'package.module:ClassName'")
     if not isinstance(body["doc"], str) or not body["doc"].strip() or "\n" in body["doc"]:
@@ -254,9 +289,11 @@ def _impl(source: str, index: int, body: dict, families: set[str]) -> Impl:
         family=body["family"],
         priority=body["priority"],
         sms=frozenset(sms),
+        verified_sms=frozenset(verified),
         cpu=bool(body["cpu"]),
         class_path=body["class"],
         doc=body["doc"],
+        weights=body["weights"],
         capabilities=Capabilities(
             expert_bias=bool(caps["expert_bias"]),
             activations=frozenset(caps["activations"]),

@@ -246,6 +246,8 @@ def _resolve_side(plans, shape: MoeShape | None, deployment: Deployment, registr
                 winner_class=winner.class_path,
                 family=winner.family,
                 selected_by=outcome.selected_by,
+                weights=winner.weights_text,
+                verification=winner.verification(deployment.sm),
                 alternatives=tuple(str(i.id) for i in outcome.eligible if i is not winner),
                 rejections=outcome.rejections,
                 warnings=warnings,

@@ -122,6 +122,8 @@ class LayerReport:
     winner_class: str
     family: str
     selected_by: str                # pinned | preferred | fallback
+    weights: str                    # the winner's registry `weights`, as text
+    verification: str               # whether the winner has run on this SM ("runs on sm_100: unverified ...")
     alternatives: tuple[str, ...]
     rejections: tuple[Rejection, ...]
     warnings: tuple[str, ...] = field(default=())
@@ -140,6 +142,8 @@ class LayerReport:
             "winner_class": self.winner_class,
             "family": self.family,
             "selected_by": self.selected_by,
+            "weights": self.weights,
+            "verification": self.verification,
             "alternatives": list(self.alternatives),
             "rejections": [{"impl": r.impl, "reason": r.reason.value, "detail": r.detail} for r in self.rejections],
             "warnings": list(self.warnings),

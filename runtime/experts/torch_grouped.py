@@ -1,9 +1,10 @@
 """TORCH experts: one grouped GEMM per projection over tokens sorted by expert (`torch._grouped_mm`).
 
-This family dequantizes: quantized weights become bf16 once, at load, and both GEMMs run on bf16
-operands with fp32 accumulation. It publishes only the formats whose activations it computes
-faithfully: bf16, the W4A16 formats, and fp8_block_scales, whose activations it quantizes and
-dequantizes per 1x128 group before each GEMM. It also consumes dynamic EPLB plans (`set_eplb_plan`).
+Both GEMMs run on bf16 operands with fp32 accumulation. FP8 block weights become bf16 once, at load;
+MXFP4/NVFP4 weights stay packed as loaded and each GEMM dequantizes them a bounded chunk at a time
+(`_PackedGroupedMmExperts`). It publishes only the formats whose activations it computes faithfully:
+bf16, the W4A16 formats, and fp8_block_scales, whose activations it quantizes and dequantizes per
+1x128 group before each GEMM. It also consumes dynamic EPLB plans (`set_eplb_plan`).
 """
 from __future__ import annotations
 
@@ -40,26 +41,38 @@ class _GroupedMmExperts(ExpertsBase):
     def _buffer_specs(self):
         n, h, i = len(self.expert_ids), self.spec.hidden_size, self.inter_size
         first = len(self.spec.projections) - 1
-        specs = {"w13": ((n, first * i, h), torch.bfloat16), "w2": ((n, h, i), torch.bfloat16)}
+        specs = self._weight_specs()
         if self.spec.expert_bias:
             specs.update(b13=((n, first * i), torch.bfloat16), b2=((n, h), torch.bfloat16))
         return specs
+
+    def _weight_specs(self):
+        n, h, i = len(self.expert_ids), self.spec.hidden_size, self.inter_size
+        first = len(self.spec.projections) - 1
+        return {"w13": ((n, first * i, h), torch.bfloat16), "w2": ((n, h, i), torch.bfloat16)}
 
     def _convert(self, staged, device):
         def stacked(proj, kind):
             return torch.stack([staged[e, proj, kind] for e in self.expert_ids]).to(device)
 
+        first = self.spec.projections[:-1]
+        new = self._convert_weights(stacked)
+        if self.spec.expert_bias:
+            new["b13"] = torch.cat([stacked(p, "bias") for p in first], dim=1)
+            new["b2"] = stacked("down", "bias")
+        return new
+
+    def _convert_weights(self, stacked):
         def weight(proj):
             parts = {t.kind: stacked(proj, t.kind) for t in self.tensors
                      if t.proj == proj and t.kind in WEIGHT_KINDS}
             return dequantize_canonical(self.FORMAT, parts, torch.bfloat16)
 
-        first = self.spec.projections[:-1]
-        new = {"w13": torch.cat([weight(p) for p in first], dim=1), "w2": weight("down")}
-        if self.spec.expert_bias:
-            new["b13"] = torch.cat([stacked(p, "bias") for p in first], dim=1)
-            new["b2"] = stacked("down", "bias")
-        return new
+        return {"w13": torch.cat([weight(p) for p in self.spec.projections[:-1]], dim=1), "w2": weight("down")}
+
+    def _gemm(self, x: torch.Tensor, which: str, offs: torch.Tensor) -> torch.Tensor:
+        """The bf16 grouped GEMM of `x` (rows sorted by local expert) with "w13" (gate and up) or "w2"."""
+        return torch._grouped_mm(x, getattr(self, which).transpose(1, 2), offs=offs)
 
     # --- EPLB -------------------------------------------------------------------------------------
     def set_eplb_plan(self, slots: Sequence[int]) -> None:
@@ -147,16 +160,77 @@ class _GroupedMmExperts(ExpertsBase):
         mine = local < n_local
         local = local.clamp(max=n_local - 1)
 
-        gu = torch._grouped_mm(self._act_in(hidden[token]), self.w13.transpose(1, 2), offs=offs).float()
+        gu = self._gemm(self._act_in(hidden[token]), "w13", offs).float()
         if spec.expert_bias:
             gu = gu + self.b13[local].float()
         gate, up = gu.split(self.inter_size, dim=1) if spec.gated else (None, gu)
         h = activations.apply(spec.activation, gate, up, alpha=spec.swiglu_alpha, limit=spec.swiglu_limit)
-        y = torch._grouped_mm(self._act_in(h.to(hidden.dtype)), self.w2.transpose(1, 2), offs=offs).float()
+        y = self._gemm(self._act_in(h.to(hidden.dtype)), "w2", offs).float()
         if self.adds_down_bias:
             y = y + self.b2[local].float()
         y = torch.where(mine[:, None], y * topk_weights.reshape(-1)[pair, None].float(), 0.0)
         return out.index_add_(0, token, y).to(hidden.dtype)
+
+
+# The packed formats' dequantization workspace in a forward, as a fraction of the layer's packed
+# weight bytes: half for the bf16 rows one GEMM call reads, half for the codecs' temporaries.
+WORKSPACE_FRACTION = 1 / 16
+# Bytes the codecs hold per weight element while they dequantize (they compute in fp32: int64 byte
+# indices, the fp32 values, their scaled copy and the bf16 result are alive together).
+DEQUANT_BYTES = 14
+
+
+class _PackedGroupedMmExperts(_GroupedMmExperts):
+    """MXFP4/NVFP4 weights stay packed, as loaded (uint8 codes and their scales, stacked over the
+    local experts). Each GEMM runs over a chunk of output rows of every local expert at a time: the
+    chunk is dequantized to bf16, one group of experts after another, just before its grouped GEMM,
+    and dropped after. Chunks are sized from the shapes (no count is read back): the workspace stays
+    within 1/16 of the layer's packed bytes whenever 8 rows of every local expert fit in half of that
+    (gated MXFP4: a hidden size and an intermediate shard of 328 or more)."""
+
+    def _weight_specs(self):
+        n = len(self.expert_ids)
+        return {f"{t.proj}_{t.kind}": ((n, *t.local_shape), t.dtype) for t in self.tensors if t.kind in WEIGHT_KINDS}
+
+    def _convert_weights(self, stacked):
+        return {f"{t.proj}_{t.kind}": stacked(t.proj, t.kind) for t in self.tensors if t.kind in WEIGHT_KINDS}
+
+    def packed_bytes(self) -> int:
+        """Bytes of the weights held (codes and scales, this rank's experts)."""
+        return sum(getattr(self, name).nbytes for name in self._weight_specs())
+
+    def _chunking(self, k: int) -> tuple[int, int]:
+        """(output rows per GEMM call, experts per codec call) for a projection of input size `k`."""
+        n = max(1, len(self.expert_ids))
+        half = self.packed_bytes() * WORKSPACE_FRACTION / 2
+        rows = max(ALIGN, int(half // (n * k * 2)) // ALIGN * ALIGN)
+        return rows, max(1, int(half // (rows * k * DEQUANT_BYTES)))
+
+    def _dequantized(self, proj: str, r0: int, r1: int, group: int) -> torch.Tensor:
+        """Rows r0:r1 of `proj` for every local expert as bf16 [n, r1 - r0, k]."""
+        parts = {t.kind: getattr(self, f"{proj}_{t.kind}") for t in self.tensors
+                 if t.proj == proj and t.kind in WEIGHT_KINDS}
+        n, k = parts["weight"].shape[0], parts["weight"].shape[2] * 2
+        w = torch.empty((n, r1 - r0, k), dtype=torch.bfloat16, device=parts["weight"].device)
+        for e0 in range(0, n, group):
+            # weight_scale_2 is one fp32 scalar per expert: [n], not sliced by rows.
+            sliced = {kind: v[e0:e0 + group] if v.dim() == 1 else v[e0:e0 + group, r0:r1] for kind, v in parts.items()}
+            w[e0:e0 + group] = dequantize_canonical(self.FORMAT, sliced, torch.bfloat16)
+        return w
+
+    def _gemm(self, x, which, offs):
+        projs = self.spec.projections[:-1] if which == "w13" else ("down",)
+        rows = self.inter_size if which == "w13" else self.spec.hidden_size
+        k = x.shape[1]
+        chunk, group = self._chunking(k)
+        out = torch.empty((x.shape[0], rows * len(projs)), dtype=torch.bfloat16, device=x.device)
+        for p, proj in enumerate(projs):
+            for r0 in range(0, rows, chunk):
+                r1 = min(r0 + chunk, rows)
+                w = self._dequantized(proj, r0, r1, group)
+                out[:, p * rows + r0:p * rows + r1] = torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+                del w
+        return out
 
 
 class TorchGroupedMmBf16Experts(_GroupedMmExperts):
@@ -172,14 +246,16 @@ class TorchGroupedMmFp8BlockScalesExperts(_GroupedMmExperts):
     FORMAT = "fp8_block_scales"
 
 
-class TorchGroupedMmW4a16Mxfp4Experts(_GroupedMmExperts):
-    __doc__ = "TORCH grouped GEMM, MXFP4 weights dequantized to bf16 at load. " + _GroupedMmExperts.__doc__
+class TorchGroupedMmW4a16Mxfp4Experts(_PackedGroupedMmExperts):
+    __doc__ = ("TORCH grouped GEMM, bf16 activations. " + _PackedGroupedMmExperts.__doc__ + " "
+               + _GroupedMmExperts.__doc__)
     IMPL_ID = "torch.grouped_mm.grouped_gemm.w4a16_mxfp4"
     FORMAT = "w4a16_mxfp4"
 
 
-class TorchGroupedMmW4a16Nvfp4Experts(_GroupedMmExperts):
-    __doc__ = "TORCH grouped GEMM, NVFP4 weights dequantized to bf16 at load. " + _GroupedMmExperts.__doc__
+class TorchGroupedMmW4a16Nvfp4Experts(_PackedGroupedMmExperts):
+    __doc__ = ("TORCH grouped GEMM, bf16 activations. " + _PackedGroupedMmExperts.__doc__ + " "
+               + _GroupedMmExperts.__doc__)
     IMPL_ID = "torch.grouped_mm.grouped_gemm.w4a16_nvfp4"
     FORMAT = "w4a16_nvfp4"
 

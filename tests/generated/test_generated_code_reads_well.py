@@ -87,3 +87,22 @@ def test_constants_whose_reason_is_not_obvious_carry_a_comment(path):
 def test_lines_stay_readable(path):
     long = [(i, len(l)) for i, l in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if len(l) > 140]
     assert not long, f"{path}: lines longer than 140 characters: {long}"
+
+
+def test_a_build_says_where_its_experts_dequantize_and_whether_they_ever_ran_on_its_sm():
+    # issue 15 items 4-5: the kimi_k3 sm_100 build runs TORCH W4A16, which keeps MXFP4 packed and has
+    # never run on sm_100; its docstring and resolution.json say both.
+    import json
+
+    folder = builds.GENERATED / "kimi_k3" / "kimi_k3_mxfp4__sm_100__tp16_moetp4ep4"
+    doc = ast.get_docstring(_tree(folder / "modeling.py")).splitlines()
+    assert doc[-2:] == [
+        "MoE routed layers 1-92 (w4a16_mxfp4): torch.grouped_mm.grouped_gemm.w4a16_mxfp4 (TORCH, preferred).",
+        "  Weights kept packed, dequantized per expert group in the forward; runs on sm_100: unverified (never run on that SM).",
+    ]
+    (layer,) = json.loads((folder / "resolution.json").read_text(encoding="utf-8"))["layers"]
+    assert (layer["weights"], layer["verification"]) == (
+        "kept packed, dequantized per expert group in the forward", "runs on sm_100: unverified (never run on that SM)")
+    cupy = ast.get_docstring(_tree(builds.GENERATED / "gpt_oss_120b" / "gpt_oss_120b_mxfp4__sm_90__tp1" / "modeling.py"))
+    assert cupy.endswith("\n  Weights kept quantized, decoded in registers by the GEMM kernel; runs on sm_90: verified "
+                         "(tests passed there).")

@@ -51,15 +51,19 @@ def impl_toml(
     klass: str = "runtime.experts.fake:FakeExperts",
     doc: str = "A synthetic implementation.",
     constraints: str = "{ hidden_multiple = 1, intermediate_multiple = 1 }",
+    verified_sms: str = "[]",
+    weights: str | None = None,
     **caps: str,
 ) -> str:
-    """One `[[impl]]` entry as TOML text; capability values are TOML literals."""
+    """One `[[impl]]` entry as TOML text; capability values are TOML literals. `weights` defaults to
+    the value a registry entry of that format may hold ("none" for bf16, else "at_load")."""
     values = _CAPS | caps
     cap_text = ", ".join(f"{k} = {v}" for k, v in values.items())
+    weights = weights or ('"none"' if id.endswith(".bf16") else '"at_load"')
     return (
         "\n[[impl]]\n"
-        f'id = "{id}"\nfamily = "{family}"\npriority = {priority}\nsms = {sms}\ncpu = {cpu}\n'
-        f'class = "{klass}"\ndoc = "{doc}"\ncapabilities = {{ {cap_text} }}\nconstraints = {constraints}\n'
+        f'id = "{id}"\nfamily = "{family}"\npriority = {priority}\nsms = {sms}\nverified_sms = {verified_sms}\ncpu = {cpu}\n'
+        f'class = "{klass}"\ndoc = "{doc}"\nweights = {weights}\ncapabilities = {{ {cap_text} }}\nconstraints = {constraints}\n'
     )
 
 

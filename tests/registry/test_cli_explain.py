@@ -23,17 +23,58 @@ def explain(capsys, *args):
     return code, out, err
 
 
-def test_explain_kimi_k3_on_sm_100_explains_every_layer_kind(capsys):
-    # RULES TG6, LR5: no GPU needed, the SM is an argument.
+KIMI_SM100 = """\
+kimi_k3 (family deepseek_v3) on sm_100
+selection: moe_config.backend 'AUTO'
+
+target kimi_k3_mxfp4__sm_100__tp16_moetp4ep4 (honors 1 target id, any draft id): serves this selection (RULES TG6)
+  claims: yes: claims this selection (RULES TG3, TG4)
+  bound: yes: built with what this selection resolves to: torch.grouped_mm.grouped_gemm.w4a16_mxfp4 for layers 1-92
+  draft: yes: needs no draft: no speculative_config.mode
+  -> load_model loads kimi_k3_mxfp4__sm_100__tp16_moetp4ep4
+  routed layers 1-92: checkpoint mxfp4 (model default routed format MXFP4), runs w4a16_mxfp4 (MXFP4 checkpoint, sm_100 preference: \
+w4a8_mxfp4_mxfp8, w4a8_mxfp4_fp8 come first, but on sm_100 only VANILLA runs them, and a reference counts only alone (RULES FN2))
+    request AUTO (moe_config.backend)
+    -> torch.grouped_mm.grouped_gemm.w4a16_mxfp4  TORCH, preferred
+       weights: kept packed, dequantized per expert group in the forward
+       runs on sm_100: unverified (never run on that SM)
+       also eligible: none
+       turned down:   cupy.mma.grouped_gemm.w4a16_mxfp4: SM_UNSUPPORTED (sm_100 is not among sm_90)
+                      torch.eager.loop.w4a16_mxfp4: NOT_HONORED (the target honors only torch.grouped_mm.grouped_gemm.w4a16_mxfp4)
+  dense layers 0: no MoE
+  draft layers: not selected (no speculative_config.mode; this model's drafts serve draft_target, dspark)
+"""
+
+
+def test_explain_kimi_k3_on_sm_100_says_what_runs_and_why(capsys):
+    # RULES TG6, LR5, FN2: no GPU needed, the SM is an argument. What runs (the TORCH W4A16 layer, its
+    # weights packed), why (AUTO's first eligible; W4A8 formats only emulated there), and that it never ran on sm_100.
     code, out, err = explain(capsys, "--model", "kimi_k3", "--sm", "100", "--parallel", "tp16_moetp4ep4")
     assert (code, err) == (0, "")
-    assert "target kimi_k3_mxfp4__sm_100__tp16_moetp4ep4 " in out and ": claims this selection" in out
-    assert "routed layers 1-92: checkpoint mxfp4 (model default routed format MXFP4), runs w4a16_mxfp4 (MXFP4 checkpoint, sm_100 preference)" in out
-    assert "-> torch.grouped_mm.grouped_gemm.w4a16_mxfp4  TORCH, preferred" in out
-    assert "torch.eager.loop.w4a16_mxfp4: NOT_HONORED (the target honors only torch.grouped_mm.grouped_gemm.w4a16_mxfp4)" in out
-    assert "dense layers 0: no MoE" in out
-    assert "draft layers: not selected (no speculative_config.mode; this model's drafts serve draft_target, dspark)" in out
-    assert "tp16_moetp16ep1" not in out  # --parallel picks one target
+    assert out == KIMI_SM100
+
+
+def test_explain_json_for_kimi_k3_on_sm_100_carries_the_same_facts(capsys):
+    code, out, _ = explain(capsys, "--model", "kimi_k3", "--sm", "100", "--parallel", "tp16_moetp4ep4", "--json")
+    assert code == 0
+    (site,) = json.loads(out)["sites"]
+    (layer,) = site["layers"]
+    assert site["loads"] == "kimi_k3_mxfp4__sm_100__tp16_moetp4ep4"
+    assert (layer["winner"], layer["family"], layer["selected_by"], layer["run_format"]) == (
+        "torch.grouped_mm.grouped_gemm.w4a16_mxfp4", "TORCH", "preferred", "w4a16_mxfp4")
+    assert layer["weights"] == "kept packed, dequantized per expert group in the forward"
+    assert layer["verification"] == "runs on sm_100: unverified (never run on that SM)"
+    assert layer["run_format_source"] == (
+        "MXFP4 checkpoint, sm_100 preference: w4a8_mxfp4_mxfp8, w4a8_mxfp4_fp8 come first, but on sm_100 only "
+        "VANILLA runs them, and a reference counts only alone (RULES FN2)")
+
+
+def test_explain_says_an_implementation_ran_on_the_sm_where_its_tests_passed(capsys):
+    code, out, _ = explain(capsys, "--model", "gpt_oss_120b", "--sm", "90")
+    assert code == 0
+    assert ("    -> cupy.mma.grouped_gemm.w4a16_mxfp4  CUPY, preferred\n"
+            "       weights: kept quantized, decoded in registers by the GEMM kernel\n"
+            "       runs on sm_90: verified (tests passed there)\n") in out
 
 
 def test_explain_shows_the_draft_layers_when_a_speculative_mode_is_set(capsys):

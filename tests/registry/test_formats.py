@@ -13,7 +13,7 @@ import pytest
 
 from registry.errors import DeclarationError, ResolutionError
 from registry.families import FAMILIES
-from registry.formats import CheckpointQuant, LayerFormat, expert_format, mxfp4_run_format
+from registry.formats import CheckpointQuant, LayerFormat, expert_format, mxfp4_run_format, run_format
 from registry.model_resolve import resolve_model
 from registry.quant_meta import quant_from_hf_quant_config, quant_from_quantization_config, read_checkpoint_quant
 from registry.resolve import moe_impl_request
@@ -321,6 +321,25 @@ def test_a_tactic_of_vanilla_alone_counts_vanilla():
     # RULES FN2
     assert run_fmt("eager", 100, field="moe_config.tactic") == "w4a8_mxfp4_mxfp8"
     assert run_fmt("w4a8_mxfp4_fp8", 100, field="moe_config.tactic") == "w4a8_mxfp4_fp8"
+
+
+def run_note(backend_or_tactic: str, sm: int, field="moe_config.backend") -> tuple[str, str]:
+    request = moe_impl_request(backend_or_tactic, registry=R, field=field)
+    return run_format("mxfp4", request.candidates, sm, R, request.asked)
+
+
+def test_the_run_format_note_says_why_the_sms_earlier_preferences_did_not_win():
+    # RULES FN2, as `explain` shows it: what came first and why it was passed over.
+    assert run_note("AUTO", 90) == ("w4a16_mxfp4", "MXFP4 checkpoint, sm_90 preference")
+    assert run_note("AUTO", 100) == ("w4a16_mxfp4", (
+        "MXFP4 checkpoint, sm_100 preference: w4a8_mxfp4_mxfp8, w4a8_mxfp4_fp8 come first, but on sm_100 only "
+        "VANILLA runs them, and a reference counts only alone (RULES FN2)"))
+    assert run_note("TORCH", 100) == ("w4a16_mxfp4", (
+        "MXFP4 checkpoint, sm_100 preference: w4a8_mxfp4_mxfp8, w4a8_mxfp4_fp8 come first, but no implementation "
+        "of the request runs them on sm_100 (RULES FN2)"))
+    assert run_note("w4a8_mxfp4_fp8", 100, field="moe_config.tactic") == ("w4a8_mxfp4_fp8", (
+        "MXFP4 checkpoint, sm_100 preference: w4a8_mxfp4_mxfp8 comes first, but no implementation of the request "
+        "runs it on sm_100 (RULES FN2)"))
 
 
 def test_a_tactic_naming_no_mxfp4_run_format_of_the_sm_is_refused_naming_the_formats():

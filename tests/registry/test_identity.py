@@ -8,7 +8,7 @@ import pytest
 
 from registry.errors import RegistryError
 from registry.identity import FIELDS, SEGMENT_RE, ImplId
-from registry.impls import AUTO, RUN_FORMATS, load_registry_text
+from registry.impls import AUTO, RUN_FORMATS, load_registry, load_registry_text
 from tests.registry.helpers import FAMILIES, cupy_registry, impl_toml, real_registry, small_registry_text
 
 
@@ -206,8 +206,64 @@ def test_a_missing_key_is_named():
     text = small_registry_text(impl_toml("cupy.mma.k.bf16", "TORCH", 1).replace("cpu = false\n", ""))
     assert load_error(text) == (
         "test.toml: impl #3 (cupy.mma.k.bf16): missing keys ['cpu']; an entry sets exactly ['capabilities', "
-        "'class', 'constraints', 'cpu', 'doc', 'family', 'id', 'priority', 'sms']"
+        "'class', 'constraints', 'cpu', 'doc', 'family', 'id', 'priority', 'sms', 'verified_sms', 'weights']"
     )
+
+
+def test_verified_sms_are_a_list_of_sms_the_entry_claims():
+    # item 5 of issue 15: an implementation names where its tests passed, among the SMs it claims.
+    entry = lambda **kw: small_registry_text(impl_toml("cupy.mma.k.bf16", "TORCH", 1, sms="[90, 100]", **kw))
+    assert load_error(entry(verified_sms="[90, 120]")) == (
+        "test.toml: impl #3 (cupy.mma.k.bf16): verified_sms lists sm 120, which is not among sms [90, 100]"
+    )
+    for bad in ('"90"', "[true]", "[9.0]"):
+        assert load_error(entry(verified_sms=bad)) == (
+            "test.toml: impl #3 (cupy.mma.k.bf16): verified_sms must be a list of SM numbers such as [90] "
+            "(the SMs its tests passed on)"
+        )
+    impl = load_registry_text(entry(verified_sms="[90]"), "test.toml").impl("cupy.mma.k.bf16")
+    assert impl.verification(90) == "runs on sm_90: verified (tests passed there)"
+    assert impl.verification(100) == "runs on sm_100: unverified (never run on that SM)"
+
+
+def test_weights_name_where_dequantization_happens_and_bf16_alone_says_none():
+    entry = lambda id, weights: small_registry_text(impl_toml(id, "TORCH", 1, weights=weights))
+    assert load_error(entry("cupy.mma.k.bf16", '"somewhere"')) == (
+        "test.toml: impl #3 (cupy.mma.k.bf16): weights must be one of ['none', 'at_load', 'per_expert_group', "
+        "'per_expert', 'in_kernel'], not 'somewhere'"
+    )
+    assert load_error(entry("cupy.mma.k.bf16", '["none"]')) == (
+        "test.toml: impl #3 (cupy.mma.k.bf16): weights must be one of ['none', 'at_load', 'per_expert_group', "
+        "'per_expert', 'in_kernel'], not ['none']"
+    )
+    assert load_error(entry("cupy.mma.k.bf16", '"at_load"')) == (
+        "test.toml: impl #3 (cupy.mma.k.bf16): weights must be 'none' for a bf16 implementation (it holds no "
+        "quantized weights)"
+    )
+    assert load_error(entry("cupy.mma.k.nvfp4", '"none"')) == (
+        "test.toml: impl #3 (cupy.mma.k.nvfp4): weights 'none' is for bf16 implementations; say where its nvfp4 "
+        "weights are dequantized: one of ['at_load', 'per_expert_group', 'per_expert', 'in_kernel']"
+    )
+    impl = load_registry_text(entry("cupy.mma.k.nvfp4", '"per_expert_group"'), "test.toml").impl("cupy.mma.k.nvfp4")
+    assert impl.weights_text == "kept packed, dequantized per expert group in the forward"
+
+
+def test_no_implementation_of_the_project_claims_a_gpu_it_has_not_run_on():
+    # item 5 of issue 15: the project's GPU tests have run on sm_90 (H200) alone (BENCHMARKS.md, issue notes).
+    registry = load_registry()
+    assert {sm for impl in registry.impls for sm in impl.verified_sms} == {90}
+    assert sorted(str(i.id) for i in registry.impls if i.verified_sms) == [
+        "cupy.mma.grouped_gemm.bf16", "cupy.mma.grouped_gemm.fp8_block_scales", "cupy.mma.grouped_gemm.w4a16_mxfp4",
+        "cupy.mma.grouped_gemm.w4a16_nvfp4", "cupy.mma.grouped_gemm.w4a8_mxfp4_fp8", "torch.eager.loop.bf16",
+        "torch.grouped_mm.grouped_gemm.bf16", "torch.grouped_mm.grouped_gemm.fp8_block_scales",
+    ]
+    packed = {str(i.id): i.weights for i in registry.impls if i.format in ("w4a16_mxfp4", "w4a16_nvfp4")}
+    assert packed == {
+        "cupy.mma.grouped_gemm.w4a16_mxfp4": "in_kernel", "cupy.mma.grouped_gemm.w4a16_nvfp4": "in_kernel",
+        "torch.grouped_mm.grouped_gemm.w4a16_mxfp4": "per_expert_group",
+        "torch.grouped_mm.grouped_gemm.w4a16_nvfp4": "per_expert_group",
+        "torch.eager.loop.w4a16_mxfp4": "per_expert", "torch.eager.loop.w4a16_nvfp4": "per_expert",
+    }
 
 
 def test_a_value_of_the_wrong_type_is_a_registry_error_not_a_traceback():

@@ -157,6 +157,8 @@ def test_the_report_names_requested_winner_selected_by_alternatives_and_rejectio
         "winner_class": "runtime.experts.vanilla:TorchEagerBf16Experts",
         "family": "VANILLA",
         "selected_by": "preferred",
+        "weights": "unquantized, used as loaded",
+        "verification": "runs on sm_90: verified (tests passed there)",
         "alternatives": [],
         "rejections": [
             {"impl": "cupy.mma.grouped_gemm.bf16", "reason": "SHAPE_UNALIGNED", "detail": "hidden size 100 is not a multiple of 64"},

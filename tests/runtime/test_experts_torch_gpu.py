@@ -29,7 +29,7 @@ def test_torch_on_gpu_matches_reference(cls, activation):
     # materialized from meta straight onto the GPU, as a generated build does
     module = cls(spec, device="meta").to_empty(device="cuda")
     module.load_weights(DictExpertSource(tensors))
-    assert module.w13.device.type == "cuda"
+    assert all(b.device.type == "cuda" for b in module.buffers())
     for tokens, experts in ((57, None), (13, [2, 5]), (1, None)):      # (13, ...) leaves 4 experts empty
         ids, weights = random_routing(tokens, spec, seed=102 + tokens, experts=experts)
         hidden = random_hidden(tokens, spec, seed=103 + tokens)
