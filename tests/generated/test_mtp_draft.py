@@ -122,3 +122,20 @@ def test_the_draft_matches_transformers_mtp_layer(case, transformers_mtp):
         per_position = ((hidden.double() - theirs).norm(dim=-1) / theirs.norm(dim=-1)).flatten()
         assert per_position.median() <= 8e-3
     assert builds.rel_err(logits, expected) <= 1e-2
+
+
+def test_the_draft_presents_the_draft_interface_and_its_cache_reproduces_the_full_forward(case):
+    """The speculative loop's contract (INPUT, to_target_ids, new_caches): one position at a time through
+    the draft's own cache gives the full-sequence forward's logits."""
+    _, _, _, target, draft, _ = case
+    assert type(draft).INPUT == "hidden"
+    vocab = draft.blocks[0].embed_tokens.weight.shape[0]
+    ids, next_ids = builds.token_ids(vocab, 2, 8), builds.token_ids(vocab, 2, 8)
+    assert torch.equal(draft.to_target_ids(next_ids), next_ids)
+    with torch.no_grad():
+        hidden = target.hidden_states(ids)
+        full, full_hidden = draft(next_ids, hidden)
+        caches = draft.new_caches(2, 16)
+        steps = [draft(next_ids[:, t:t + 1], hidden[:, t:t + 1], torch.tensor([t]), caches)[0] for t in range(8)]
+    assert full_hidden.shape == hidden.shape
+    assert builds.rel_err(torch.cat(steps, 1), full) <= 1e-5

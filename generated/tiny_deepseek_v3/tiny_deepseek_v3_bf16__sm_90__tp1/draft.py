@@ -52,10 +52,14 @@ def make_mtp_layer(index, experts_cls, layout, rank, dtype):
 
 
 class Draft(nn.Module):
-    """`forward(next_token_ids [B, S], previous_hidden [B, S, H], positions, cache, step=0) -> (logits, hidden)`.
+    """`forward(next_token_ids [B, S], target_hidden [B, S, H], positions [S], cache, step=0) -> (logits, hidden)`.
 
-    `previous_hidden` is the target's `hidden_states(...)`: after its final norm, as the reference engines pass it.
+    `target_hidden` is the target's `hidden_states(...)` of the previous positions: after its final norm, as the
+    reference engines pass it. The draft shares the target's vocabulary: `to_target_ids` is the identity.
     """
+
+    # What the speculative loop feeds `forward` (the draft interface every draft build presents).
+    INPUT = "hidden"
 
     def __init__(self, device="cpu", rank=0, dtype=torch.bfloat16):
         super().__init__()
@@ -79,14 +83,20 @@ class Draft(nn.Module):
             for block in self.blocks
         ]
 
-    def forward(self, next_token_ids, previous_hidden, positions=None, cache=None, step=0):
-        """Draft step `step` reuses MTP layer `step % len(DRAFT_LAYERS)`, as the reference engines do."""
+    def forward(self, next_token_ids, target_hidden, positions=None, cache=None, step=0):
+        """Draft step `step` runs MTP layer `step` (chained layers), then reuses them cyclically, as the reference engines do."""
         if positions is None:
             positions = torch.arange(next_token_ids.shape[-1], device=next_token_ids.device)
-        block = self.blocks[step % len(self.blocks)]
+        layer = step % len(self.blocks)
+        block = self.blocks[layer]
         cos, sin = self.rotary_emb(positions)
-        hidden = block(block.embed_tokens(next_token_ids), previous_hidden, positions, cos, sin, cache)
+        # `cache` is what `new_caches` returned: one cache per MTP layer.
+        layer_cache = None if cache is None else cache[layer]
+        hidden = block(block.embed_tokens(next_token_ids), target_hidden, positions, cos, sin, layer_cache)
         return block.shared_head(hidden), hidden
+
+    def to_target_ids(self, ids):
+        return ids
 
     def load_checkpoint(self, path, progress=None):
         return load_checkpoint(self, path, ignore=IGNORED_TENSORS, progress=progress, device=self.device)
