@@ -177,14 +177,18 @@ def render_generic(decl: Declaration, plan: BuildPlan, registry: Registry, comma
 
 
 def render_draft(decl: Declaration, plan: BuildPlan, registry: Registry, command: str) -> str:
-    """An embedded MTP draft (DeepSeek-V3 / GLM-4 MoE layout) bound to the draft's own implementation."""
+    """The target's draft build, bound to the draft's own implementations (RULES DR1, DR2)."""
     draft = plan.draft
+    if draft.kind == "external":
+        return _render_external(decl, plan, registry, command)
+    if draft.kind == "eagle3":
+        return _render_eagle3(decl, plan, command)
     if draft.kind != "embedded_mtp" or decl.family.name not in ("deepseek_v3", "glm4_moe"):
         from codegen.files import GenerationError
 
         raise GenerationError(
-            f"{plan.target}: the runtime builds embedded MTP drafts of deepseek_v3 and glm4_moe; {draft.name} is a "
-            f"{draft.kind} draft of family {decl.family.name}: declare the target's selection without this spec_mode"
+            f"{plan.target}: the runtime builds embedded MTP drafts of deepseek_v3 and glm4_moe, external drafters and Eagle3 heads; "
+            f"{draft.name} is a {draft.kind} draft of family {decl.family.name}: declare the target's selection without this spec_mode"
         )
     impls = sorted({l.impl for l in draft.layers})
     imports: dict[str, list[str]] = {}
@@ -198,4 +202,82 @@ def render_draft(decl: Declaration, plan: BuildPlan, registry: Registry, command
         experts_imports=sorted((m, sorted(set(n))) for m, n in imports.items()),
         implementations=[(i, registry.impl(i).class_name, registry.impl(i).family) for i in impls],
         cpu_impls=tuple(i for i in impls if registry.impl(i).cpu),
+    )
+
+
+def _drafter(decl: Declaration, plan: BuildPlan) -> tuple[Declaration, BuildPlan]:
+    """An external drafter as a model of its own family (its config, its checkpoint) and the plan of its build:
+    the target's SM and layout, the draft layers' bindings, the target's honored draft ids as its honored set."""
+    from dataclasses import replace
+
+    from codegen.files import GenerationError
+    from codegen.plan import LayerPlan, camel
+    from registry.families import FAMILIES
+
+    declared = next(d for d in decl.drafts if d.name == plan.draft.name)
+    if not FAMILIES[declared.family].runtime:
+        raise GenerationError(
+            f"{plan.target}: the external drafter {declared.name} is of family {declared.family}, which the runtime "
+            "does not build; declare a drafter of a runtime family or a selection without this spec_mode"
+        )
+    own = Declaration.model_validate({
+        "model": {"name": plan.model, "family": declared.family, "doc": declared.doc or declared.name},
+        "config": declared.config, "checkpoints": [declared.checkpoint.model_dump()],
+    })
+    moe = {l.index: l for l in plan.draft.layers}
+    layers = tuple(moe.get(i, LayerPlan(i, "dense")) for i in range(declared.config["num_hidden_layers"]))
+    return own, replace(
+        plan, family=declared.family, class_name=camel(declared.name) + "ForCausalLM", checkpoint=declared.checkpoint.name,
+        config=declared.config, layers=layers, moe_impls_honored=plan.draft_moe_impls_honored, draft_moe_impls_honored=None,
+    )
+
+
+def _render_external(decl: Declaration, plan: BuildPlan, registry: Registry, command: str) -> str:
+    """An external drafter: its own family's build (its config, the draft selection's bindings) plus the draft interface."""
+    own, drafter = _drafter(decl, plan)
+    context = _context(own, drafter, registry, generic=False)
+    title = (f"{plan.target} draft: {plan.draft.name}, an external {drafter.family} drafter\n"
+             f"(speculative mode {plan.draft.mode}), its MoE kernels pre-bound for sm_{plan.sm}.")
+    summary = context["architecture"] + [""] + [line for line in _summary(plan) if " draft " in line]
+    return render_python("draft_external.py.j2", f"{plan.model}/{plan.target}/draft.py", command, plan.fingerprint,
+                         f"Draft of {plan.target}.", title=title, summary=summary, draft=plan.draft, **context)
+
+
+def eagle3_aux_layers(config: dict, target_layers: int) -> tuple[int, ...]:
+    """The target layers whose outputs an Eagle3 head fuses. vLLM and SGLang capture the residual stream
+    entering layers `eagle_aux_hidden_state_layer_ids` (default 2, L // 2, L - 3), i.e. after the layer before each."""
+    from codegen.files import GenerationError
+
+    ids = config.get("eagle_aux_hidden_state_layer_ids", [2, target_layers // 2, target_layers - 3])
+    if (not isinstance(ids, list) or len(ids) != 3 or any(not isinstance(i, int) or isinstance(i, bool) for i in ids)
+            or not all(1 <= i <= target_layers for i in ids)):
+        raise GenerationError(
+            f"eagle_aux_hidden_state_layer_ids must be three layer indices in [1, {target_layers}], got {ids!r}; "
+            "set them in the Eagle3 draft's config"
+        )
+    return tuple(i - 1 for i in ids)
+
+
+def _render_eagle3(decl: Declaration, plan: BuildPlan, command: str) -> str:
+    """An Eagle3 head (runtime.ops.eagle3) with the shape its declared config gives (checked when it loaded)."""
+    from codegen.files import GenerationError
+    from codegen.modelspec import rope
+
+    c = dict(next(d for d in decl.drafts if d.name == plan.draft.name).config or {})
+    if not c:
+        raise GenerationError(f"{plan.target}: the Eagle3 draft {plan.draft.name} declares no config; add its [drafts.config]")
+    if c["target_hidden_size"] != decl.config["hidden_size"]:
+        raise GenerationError(
+            f"{plan.target}: the Eagle3 draft's target_hidden_size {c['target_hidden_size']} is not the target's hidden_size "
+            f"{decl.config['hidden_size']}; set it to the target's"
+        )
+    head = {k: c[k] for k in ("vocab_size", "draft_vocab_size", "hidden_size", "target_hidden_size", "intermediate_size")}
+    head |= {"num_heads": c["num_attention_heads"], "num_kv_heads": c["num_key_value_heads"], "head_dim": c["head_dim"],
+             "rms_norm_eps": float(c.get("rms_norm_eps", 1e-6))}
+    # Published Eagle3 heads are Llama layers: Llama's rotary defaults (base 10000, full head), which
+    # qwen3_moe's defaults equal.
+    return render_python(
+        "draft_eagle3.py.j2", f"{plan.model}/{plan.target}/draft.py", command, plan.fingerprint, f"Draft of {plan.target}.",
+        plan=plan, draft=plan.draft, c=c, head=head, rope=rope(c, "qwen3_moe", c["head_dim"]),
+        aux_layers=eagle3_aux_layers(c, decl.config["num_hidden_layers"]),
     )

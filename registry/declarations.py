@@ -71,6 +71,11 @@ class CheckpointDecl(_Strict):
         return CheckpointQuant(self.quant_algo, self.exclude_modules, tuple(sorted(self.quantized_layers.items())))
 
 
+# What an Eagle3 head's config must give (its one decoder layer, its vocabularies, the target's width).
+EAGLE3_KEYS = ("vocab_size", "draft_vocab_size", "hidden_size", "target_hidden_size", "intermediate_size",
+               "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
 class DraftDecl(_Strict):
     name: str = Field(pattern=TOKEN)
     kind: Literal["embedded_mtp", "replacement_mtp", "external", "eagle3", "draft_stages"]
@@ -215,13 +220,14 @@ class Declaration(_Strict):
 
     def _draft_facts(self, draft: DraftDecl, target_quant: CheckpointQuant) -> DraftFacts:
         family = self.family
-        if draft.kind in ("external", "eagle3") and draft.config is not None:
+        if draft.kind == "eagle3":
+            # One dense decoder layer: no MoE layer for a draft selection to bind.
+            return DraftFacts(draft.name, draft.kind, draft.modes, (), None, draft.vanilla_with_target)
+        if draft.kind == "external" and draft.config is not None:
             own = FAMILIES[draft.family or family.name]
             quant = draft.checkpoint.quant() if draft.checkpoint else CheckpointQuant()
             modules = [own.experts_module(i) for i in own.moe_layers(draft.config)]
             members, shape, layers = own.expert_members, own.shape(draft.config), own.moe_layers(draft.config)
-        elif draft.kind == "eagle3":
-            return DraftFacts(draft.name, draft.kind, draft.modes, (), None, draft.vanilla_with_target)
         else:
             quant = draft.checkpoint.quant() if draft.checkpoint else target_quant
             count = draft.num_layers if draft.num_layers is not None else family.num_draft_layers(self.config)
@@ -243,7 +249,16 @@ class Declaration(_Strict):
         for n, draft in enumerate(self.drafts):
             # A drafter with its own config is built from it: its family's keys must be there too
             # (else a missing key would raise KeyError when the model's facts are built).
-            if draft.config is not None:
+            if draft.kind == "eagle3" and draft.config is not None:
+                for key in EAGLE3_KEYS:
+                    value = draft.config.get(key)
+                    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                        raise _FieldError(("drafts", n, "config"), f"the Eagle3 config needs {key} as a positive integer, got {value!r}; set it")
+                if draft.config["vocab_size"] != self.config.get("vocab_size"):
+                    raise _FieldError(("drafts", n, "config", "vocab_size"),
+                                      f"the Eagle3 draft {draft.name} has vocab_size {draft.config['vocab_size']!r} and the target "
+                                      f"{self.config.get('vocab_size')!r}: vocab_size is the target's (draft_vocab_size is the draft's own)")
+            elif draft.config is not None:
                 own = FAMILIES[draft.family or self.model.family]
                 lacking = [k for k in own.required if k not in draft.config]
                 if lacking:
@@ -251,6 +266,15 @@ class Declaration(_Strict):
                         ("drafts", n, "config"),
                         f"the drafter's config lacks {', '.join(lacking)}, which family {own.name} needs; add it",
                     )
+            # An external drafter proposes ids the target verifies as its own: one vocabulary (Eagle3 maps
+            # its draft vocabulary through d2t instead).
+            if draft.kind == "external" and draft.config is not None and draft.config.get("vocab_size") != self.config.get("vocab_size"):
+                raise _FieldError(
+                    ("drafts", n, "config", "vocab_size"),
+                    f"the external drafter {draft.name} has vocab_size {draft.config.get('vocab_size')!r} and the target "
+                    f"{self.config.get('vocab_size')!r}: an external drafter shares the target's vocabulary; declare a "
+                    "drafter with the target's tokenizer",
+                )
         names = [c.name for c in self.checkpoints]
         for n, name in enumerate(names):
             if name in names[:n]:

@@ -12,9 +12,9 @@ FILES = builds.modeling_files() + builds.draft_files()
 IDS = [str(p.relative_to(builds.GENERATED)) for p in FILES]
 
 # The build's identity and entry points: read by the router index, the claims check and users, not by
-# the file's own code.
+# the file's own code (an external drafter's DRAFT_LAYERS is its claims-checked draft table).
 PUBLIC = {"MODEL", "FAMILY", "TARGET", "CHECKPOINT", "SM", "PARALLEL", "MOE_IMPLS_HONORED", "DRAFT_MOE_IMPLS_HONORED",
-          "MODEL_CLASS", "DRAFT_CLASS", "DRAFT", "MODE"}
+          "MODEL_CLASS", "DRAFT_CLASS", "DRAFT", "MODE", "DRAFT_LAYERS"}
 # Constants that need their reason next to them (a comment on the line or the line above).
 EXPLAINED = {"IMPLEMENTATIONS", "MOE_IMPLS_HONORED", "CPU_IMPLS", "LAYERS", "IGNORED_TENSORS", "EXPERTS_SPEC",
              "SOFTMAX_SCALE", "SLIDING_WINDOWS", "DRAFT_LAYERS", "INTERLEAVED_ROPE"}
