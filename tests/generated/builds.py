@@ -259,28 +259,34 @@ def checkpoint_for(target: dict) -> Path | None:
 
 @functools.lru_cache(maxsize=None)
 def mtp_checkpoint(model: str, seed: int = 0) -> Path:
-    """The transformers checkpoint of `model` plus its MTP layer where DeepSeek-V3 and GLM-4.5 keep it,
-    `model.layers.<num_hidden_layers>.*` (research formats_configs §4): enorm, hnorm, eh_proj [H, 2H],
+    """The transformers checkpoint of `model` plus its MTP layer (`with_mtp_layers`)."""
+    return with_mtp_layers(transformers_checkpoint(model, seed), _TMP / f"{model}-mtp-{seed}", 1, seed)
+
+
+def with_mtp_layers(source: Path, folder: Path, count: int, seed: int = 0) -> Path:
+    """A copy of the checkpoint `source` plus `count` MTP layers where DeepSeek-V3 and GLM-4.5 keep them,
+    `model.layers.<num_hidden_layers + k>.*` (research formats_configs §4): enorm, hnorm, eh_proj [H, 2H],
     shared_head.{norm,head}, its own embed_tokens copy and a full (MoE) decoder layer. Every tensor
     gets fresh values, unlike the hub's copies of the main embedding and head: a draft that read the
-    main model's tensors instead of its own would then compute something else."""
-    source = transformers_checkpoint(model, seed)
+    main model's tensors (or another MTP layer's) instead of its own would then compute something else."""
     tensors = read_tensors(source)
     config = json.loads((source / "config.json").read_text())
     hidden, vocab, last = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"] - 1
-    prefix = f"model.layers.{last + 1}."
-    shapes = {prefix + name[len(f"model.layers.{last}."):]: t for name, t in tensors.items() if name.startswith(f"model.layers.{last}.")}
-    shapes |= {
-        prefix + "enorm.weight": torch.empty(hidden, dtype=torch.bfloat16),
-        prefix + "hnorm.weight": torch.empty(hidden, dtype=torch.bfloat16),
-        prefix + "eh_proj.weight": torch.empty(hidden, 2 * hidden, dtype=torch.bfloat16),
-        prefix + "shared_head.norm.weight": torch.empty(hidden, dtype=torch.bfloat16),
-        prefix + "shared_head.head.weight": torch.empty(vocab, hidden, dtype=torch.bfloat16),
-        prefix + "embed_tokens.weight": torch.empty(vocab, hidden, dtype=torch.bfloat16),
-    }
+    shapes = {}
+    for k in range(count):
+        prefix = f"model.layers.{last + 1 + k}."
+        shapes |= {prefix + name[len(f"model.layers.{last}."):]: t for name, t in tensors.items() if name.startswith(f"model.layers.{last}.")}
+        shapes |= {
+            prefix + "enorm.weight": torch.empty(hidden, dtype=torch.bfloat16),
+            prefix + "hnorm.weight": torch.empty(hidden, dtype=torch.bfloat16),
+            prefix + "eh_proj.weight": torch.empty(hidden, 2 * hidden, dtype=torch.bfloat16),
+            prefix + "shared_head.norm.weight": torch.empty(hidden, dtype=torch.bfloat16),
+            prefix + "shared_head.head.weight": torch.empty(vocab, hidden, dtype=torch.bfloat16),
+            prefix + "embed_tokens.weight": torch.empty(vocab, hidden, dtype=torch.bfloat16),
+        }
     gen = torch.Generator().manual_seed(seed + 1000)
     for name, like in sorted(shapes.items()):
         values = torch.randn(like.shape, generator=gen)
         tensors[name] = (1.0 + 0.2 * values if "norm" in name else 0.08 * values).to(like.dtype)
-    config["num_nextn_predict_layers"] = 1
-    return write_checkpoint(_TMP / f"{model}-mtp-{seed}", tensors, config)
+    config["num_nextn_predict_layers"] = count
+    return write_checkpoint(folder, tensors, config)
