@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass
 
 from registry.declarations import Declaration, TargetDecl, matching_targets, resolve_target
+from registry.model import NON_NEURAL_MODES
 from registry.model_resolve import ANY, ROLE_NAMES, ModelResolution, resolve_model, span
 from registry.resolve import LayerReport
 from registry.selection import Selection
@@ -74,6 +75,19 @@ def _report_lines(report: LayerReport) -> list[str]:
     return lines
 
 
+def _draft_build_line(decl: Declaration, site: Explained, mode: str) -> str:
+    """Which draft build serves the selection's speculative mode at this site (RULES TG6)."""
+    # Resolution already refused a mode no declared draft serves.
+    draft = next(d for d in decl.drafts if mode in d.modes)
+    if site.target is None:
+        return f"  draft build: none (generic builds do not construct drafts yet; the {draft.kind} draft {draft.name} is declared)"
+    built = site.target.selection.spec_mode
+    if built == mode:
+        return f"  draft build: generated/{decl.model.name}/{site.target.name}/draft.py ({draft.kind} {draft.name})"
+    holds = f"the draft of speculative mode {built}" if built else "no draft"
+    return f"  draft build: none (target {site.target.name} was generated with {holds}, not {mode})"
+
+
 def render_text(decl: Declaration, sm: int, selection: Selection, explained: list[Explained], mode: str) -> str:
     family = decl.family
     moe = set(family.moe_layers(decl.config))
@@ -102,6 +116,8 @@ def render_text(decl: Declaration, sm: int, selection: Selection, explained: lis
             out += _report_lines(report)
         if dense:
             out.append(f"  dense layers {span(dense)}: no MoE")
+        if selection.spec_mode and selection.spec_mode not in NON_NEURAL_MODES:
+            out.append(_draft_build_line(decl, site, selection.spec_mode))
         if not selection.spec_mode and decl.drafts:
             modes = sorted({m for d in decl.drafts for m in d.modes})
             out.append(f"  draft layers: not selected (no speculative_config.mode; this model's drafts serve {', '.join(modes)})")

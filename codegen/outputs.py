@@ -90,6 +90,8 @@ def index_outputs(models: list[str], plans: list[BuildPlan], command: str = ALL_
             "moe_impls_honored": p.moe_impls_honored,
             "draft_moe_impls_honored": p.draft_moe_impls_honored,
             "spec_mode": p.draft.mode if p.draft else None,
+            # The draft build the target holds (TG6: a target serves a speculative selection only with it).
+            "draft": {"module": f".{p.model}.{p.target}.draft", "name": p.draft.name, "kind": p.draft.kind} if p.draft else None,
             "bound": [[role, list(layers), impl] for role, layers, impl in p.bound],
         }
         for p in sorted(plans, key=lambda p: (p.model, p.target))
