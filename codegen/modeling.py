@@ -183,11 +183,11 @@ def render_draft(decl: Declaration, plan: BuildPlan, registry: Registry, command
         return _render_external(decl, plan, registry, command)
     if draft.kind == "eagle3":
         return _render_eagle3(decl, plan, command)
-    if draft.kind != "embedded_mtp" or decl.family.name not in ("deepseek_v3", "glm4_moe"):
+    if draft.kind not in ("embedded_mtp", "replacement_mtp") or decl.family.name not in ("deepseek_v3", "glm4_moe"):
         from codegen.files import GenerationError
 
         raise GenerationError(
-            f"{plan.target}: the runtime builds embedded MTP drafts of deepseek_v3 and glm4_moe, external drafters and Eagle3 heads; "
+            f"{plan.target}: the runtime builds embedded and replacement-head MTP drafts of deepseek_v3 and glm4_moe, external drafters and Eagle3 heads; "
             f"{draft.name} is a {draft.kind} draft of family {decl.family.name}: declare the target's selection without this spec_mode"
         )
     impls = sorted({l.impl for l in draft.layers})
