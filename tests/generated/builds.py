@@ -179,6 +179,12 @@ def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return float((ours - ref).norm() / ref.norm())
 
 
+def per_position_err(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Relative L2 error of each position's logits `[..., V]`, flattened, in float64."""
+    ours, ref = ours.double(), ref.double()
+    return ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).flatten()
+
+
 def token_ids(vocab_size: int, batch: int = 2, length: int = 12, seed: int | None = None) -> torch.Tensor:
     """Random token ids; a fresh draw per call unless a seed is given."""
     gen = torch.Generator()

@@ -138,4 +138,8 @@ def test_the_draft_presents_the_draft_interface_and_its_cache_reproduces_the_ful
         caches = draft.new_caches(2, 16)
         steps = [draft(next_ids[:, t:t + 1], hidden[:, t:t + 1], torch.tensor([t]), caches)[0] for t in range(8)]
     assert full_hidden.shape == hidden.shape
-    assert builds.rel_err(torch.cat(steps, 1), full) <= 1e-5
+    # Not bit-equal: fp32 attention sums in another order per step and the experts round their inputs to
+    # bf16 (observed <= 4e-4 per position; a rare router flip moves one position): a draft that ignored its
+    # cache is off by 0.5-1 at the later positions (measured).
+    errors = builds.per_position_err(torch.cat(steps, 1), full)
+    assert errors.median() <= 1e-3, errors
