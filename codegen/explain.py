@@ -80,7 +80,12 @@ def _draft_build_line(decl: Declaration, site: Explained, mode: str) -> str:
     # Resolution already refused a mode no declared draft serves.
     draft = next(d for d in decl.drafts if mode in d.modes)
     if site.target is None:
-        return f"  draft build: none (generic builds do not construct drafts yet; the {draft.kind} draft {draft.name} is declared)"
+        from codegen.modeling import generic_draft
+
+        if generic_draft(decl) is draft:
+            return f"  draft build: generated/{decl.model.name}/generic/draft.py ({draft.kind} {draft.name}, resolved at load)"
+        return (f"  draft build: none (generic builds construct only the embedded or replacement-head MTP drafts of "
+                f"deepseek_v3 and glm4_moe; the {draft.kind} draft {draft.name} is declared)")
     built = site.target.selection.spec_mode
     if built == mode:
         return f"  draft build: generated/{decl.model.name}/{site.target.name}/draft.py ({draft.kind} {draft.name})"

@@ -198,7 +198,7 @@ def render_draft(decl: Declaration, plan: BuildPlan, registry: Registry, command
     summary = [line for line in _summary(plan) if " draft " in line]
     return render_python(
         "draft_mtp.py.j2", f"{plan.model}/{plan.target}/draft.py", command, plan.fingerprint, f"Draft of {plan.target}.",
-        plan=plan, draft=draft, summary=summary,
+        plan=plan, draft=draft, summary=summary, generic=False,
         experts_imports=sorted((m, sorted(set(n))) for m, n in imports.items()),
         implementations=[(i, registry.impl(i).class_name, registry.impl(i).family) for i in impls],
         cpu_impls=tuple(i for i in impls if registry.impl(i).cpu),
@@ -281,3 +281,26 @@ def _render_eagle3(decl: Declaration, plan: BuildPlan, command: str) -> str:
         plan=plan, draft=plan.draft, c=c, head=head, rope=rope(c, "qwen3_moe", c["head_dim"]),
         aux_layers=eagle3_aux_layers(c, decl.config["num_hidden_layers"]),
     )
+
+
+def generic_draft(decl: Declaration):
+    """The MTP draft a model's generic build constructs (resolved at load), or None: the generic build of a
+    deepseek_v3 / glm4_moe model builds its embedded or replacement-head MTP; other kinds only as a target's."""
+    if decl.family.name not in ("deepseek_v3", "glm4_moe"):
+        return None
+    for draft in decl.drafts:
+        count = draft.num_layers if draft.num_layers is not None else decl.family.num_draft_layers(decl.config)
+        if draft.kind in ("embedded_mtp", "replacement_mtp") and count:
+            return draft
+    return None
+
+
+def render_generic_draft(decl: Declaration, plan: BuildPlan, command: str) -> str:
+    from types import SimpleNamespace
+
+    declared = generic_draft(decl)
+    draft = SimpleNamespace(name=declared.name, kind=declared.kind, mode=declared.modes[0], layers=())
+    summary = ["Serves what the generic modeling.py serves; its MoE layers resolve when it loads, under the draft's",
+               "own selection (RULES DR1, DR2, GN1)."]
+    return render_python("draft_mtp.py.j2", f"{plan.model}/generic/draft.py", command, plan.fingerprint,
+                         f"Generic draft of {plan.model}.", plan=plan, draft=draft, summary=summary, generic=True)

@@ -53,7 +53,7 @@ def build_outputs(decl: Declaration, plan: BuildPlan, registry: Registry, extra:
 
 def model_outputs(decl: Declaration, generic: BuildPlan, registry: Registry, extra: str = "") -> list[Output]:
     """Per model: its package, its facts (read by the router and the generic build), its generic build."""
-    from codegen.modeling import render_generic
+    from codegen.modeling import generic_draft, render_generic, render_generic_draft
 
     name = decl.model.name
     command = model_command(name, extra)
@@ -71,7 +71,7 @@ def model_outputs(decl: Declaration, generic: BuildPlan, registry: Registry, ext
         Output(f"{name}/generic/__init__.py", render_python("package_init.py.j2", f"{name}/generic/__init__.py", command, generic.fingerprint,
                                                            f"Generic build of {name}.", docstring=f"Generic build of {name}: resolves each layer when it loads.")),
         Output(f"{name}/generic/modeling.py", render_generic(decl, generic, registry, command), GENERIC_CLAIMS),
-    ]
+    ] + ([Output(f"{name}/generic/draft.py", render_generic_draft(decl, generic, command), GENERIC_CLAIMS)] if generic_draft(decl) else [])
 
 
 def index_outputs(models: list[str], plans: list[BuildPlan], command: str = ALL_COMMAND) -> list[Output]:

@@ -351,7 +351,8 @@ def verify_tree(root: Path, plans, registry) -> list[str]:
             verify_python(rel, (root / rel).read_text(encoding="utf-8"), claims)
             checked.append(rel)
     for model in sorted(models | {p.parent.parent.name for p in root.glob("*/generic/modeling.py")}):
-        rel = f"{model}/generic/modeling.py"
-        verify_python(rel, (root / rel).read_text(encoding="utf-8"), GENERIC_CLAIMS)
-        checked.append(rel)
+        for rel in (f"{model}/generic/modeling.py", f"{model}/generic/draft.py"):
+            if rel.endswith("modeling.py") or (root / rel).exists():
+                verify_python(rel, (root / rel).read_text(encoding="utf-8"), GENERIC_CLAIMS)
+                checked.append(rel)
     return checked

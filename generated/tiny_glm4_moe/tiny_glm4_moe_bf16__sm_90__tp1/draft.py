@@ -63,19 +63,25 @@ class Draft(nn.Module):
 
     def __init__(self, device="cpu", rank=0, dtype=torch.bfloat16):
         super().__init__()
-        build.check_placement(TARGET + " draft", SM, device, IMPLEMENTATIONS, CPU_IMPLS)
+        layers, implementations, layout = DRAFT_LAYERS, IMPLEMENTATIONS, LAYOUT
+        build.check_placement(TARGET + " draft", SM, device, implementations, CPU_IMPLS)
         # The draft runs on its target's ranks and layout: the same world checks as modeling.py's.
-        attach_layout(self, TARGET + " draft", PARALLEL, LAYOUT, rank)
-        build.check_rank(TARGET + " draft", LAYOUT.world, rank)
+        attach_layout(self, TARGET + " draft", PARALLEL, layout, rank)
+        build.check_rank(TARGET + " draft", layout.world, rank)
+        self.layout, self._layers = layout, tuple(layers)
         self.rank, self.device, self.dtype = rank, torch.device(device), dtype
         with torch.device(device):
             self.model = nn.Module()
             self.model.layers = nn.ModuleDict(
-                {str(i): make_mtp_layer(i, IMPLEMENTATIONS[impl][0], LAYOUT, rank, dtype) for i, impl in DRAFT_LAYERS}
+                {str(i): make_mtp_layer(i, implementations[impl][0], layout, rank, dtype) for i, impl in layers}
             )
             self.rotary_emb = make_rotary()
-        self.blocks = tuple(self.model.layers[str(i)] for i, _ in DRAFT_LAYERS)
-        build.log_implementations(IMPLEMENTATIONS)
+        self.blocks = tuple(self.model.layers[str(i)] for i, _ in layers)
+        build.log_implementations(implementations)
+
+    def draft_layer_ids(self):
+        """(checkpoint layer index, bound implementation id) of each MTP layer this draft built."""
+        return self._layers
 
     def new_caches(self, batch_size, max_seq_len):
         return [
