@@ -103,6 +103,9 @@ class DraftDecl(_Strict):
             raise ValueError(f"{article} {self.kind} draft has its own checkpoint: add [drafts.checkpoint] with its quant metadata")
         if self.kind == "draft_stages" and (self.num_layers is None or self.experts_prefix is None):
             raise ValueError("draft stages need num_layers and experts_prefix (with '{k}' for the stage number)")
+        if self.kind == "eagle3" and (self.config is None or self.checkpoint is None):
+            raise ValueError(f"an Eagle3 draft has its own checkpoint and config: add [drafts.checkpoint] and a config with "
+                             f"{', '.join(EAGLE3_KEYS)}")
         if self.kind == "external" and (self.family is None or self.config is None):
             raise ValueError("an external drafter needs its own family and config")
         if self.family is not None and self.family not in FAMILIES:
@@ -254,6 +257,17 @@ class Declaration(_Strict):
                     value = draft.config.get(key)
                     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                         raise _FieldError(("drafts", n, "config"), f"the Eagle3 config needs {key} as a positive integer, got {value!r}; set it")
+                if draft.config["target_hidden_size"] != self.config.get("hidden_size"):
+                    raise _FieldError(("drafts", n, "config", "target_hidden_size"),
+                                      f"the Eagle3 draft {draft.name} has target_hidden_size {draft.config['target_hidden_size']!r} "
+                                      f"and the target hidden_size {self.config.get('hidden_size')!r}; set it to the target's")
+                layers = self.config["num_hidden_layers"]
+                ids = draft.config.get("eagle_aux_hidden_state_layer_ids", [2, layers // 2, layers - 3])
+                if (not isinstance(ids, list) or len(ids) != 3 or any(not isinstance(i, int) or isinstance(i, bool) for i in ids)
+                        or not all(1 <= i <= layers for i in ids)):
+                    raise _FieldError(("drafts", n, "config"),
+                                      f"eagle_aux_hidden_state_layer_ids must be three layer indices in [1, {layers}] (vLLM's "
+                                      f"convention: the state entering that layer), got {ids!r}; fix them")
                 if draft.config["vocab_size"] != self.config.get("vocab_size"):
                     raise _FieldError(("drafts", n, "config", "vocab_size"),
                                       f"the Eagle3 draft {draft.name} has vocab_size {draft.config['vocab_size']!r} and the target "
