@@ -3,8 +3,8 @@
 Tensor names are those of published Eagle3 checkpoints as vLLM's `llama_eagle3.py` loads them: `fc.weight
 [H, 3 H_target]`, `midlayer.{input_layernorm, hidden_norm, post_attention_layernorm}.weight`,
 `midlayer.self_attn.{q,k,v}_proj.weight [*, 2H]`, `midlayer.self_attn.o_proj.weight [H, heads x head_dim]`,
-`midlayer.mlp.{gate,up,down}_proj.weight`, `norm.weight`, `lm_head.weight [V_draft, H]`, `embed_tokens.weight`,
-`d2t [V_draft]` (int64 offsets: target id = d + d2t[d]) and `t2d [V]` (bool: the target ids the draft
+`midlayer.mlp.{gate,up,down}_proj.weight`, `norm.weight`, `lm_head.weight [V_draft, H]`, `embed_tokens.weight`
+(or none: `share_embedding`), `d2t [V_draft]` (int64 offsets: target id = d + d2t[d]) and `t2d [V]` (bool: the target ids the draft
 vocabulary covers). The layer (vLLM `LlamaDecoderLayer`, layer 0, norm after residual):
 `r = fused; x = cat(input_layernorm(embed(ids)), hidden_norm(fused)); h = o_proj(attn(x)) + r;
 out = mlp(post_attention_layernorm(h)) + h`; logits = lm_head(norm(out)); `out` feeds the next draft step.
@@ -64,11 +64,20 @@ class Eagle3Head(nn.Module):
         self.lm_head = LMHead(hidden_size=hidden_size, vocab_size=draft_vocab_size, dtype=dtype)
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(vocab_size, dtype=torch.bool))
+        self._shared_embedding = None
+
+    def share_embedding(self, embedding: nn.Module) -> None:
+        """Embed with the target's `embed_tokens` instead of an own copy: published heads that ship no
+        `embed_tokens.weight` read the target's, as vLLM does. The own copy is dropped, so a checkpoint
+        load no longer expects it; the target's stays outside this module (loaded with the target)."""
+        del self.embed_tokens
+        self._shared_embedding = (embedding,)
 
     def forward(self, ids, hidden, positions, cos, sin, cache=None, step=0):
         # Step 0 reads the target's concatenated low/mid/high states; later steps the head's own output.
         fused = self.fc(hidden) if step == 0 else hidden
-        out = self.midlayer(self.embed_tokens(ids), fused, positions, cos, sin, cache)
+        embed = self.embed_tokens if self._shared_embedding is None else self._shared_embedding[0]
+        out = self.midlayer(embed(ids), fused, positions, cos, sin, cache)
         return self.lm_head(self.norm(out)), out
 
     def to_target_ids(self, ids):

@@ -114,3 +114,25 @@ def test_draft_ids_map_to_the_target_ids_d2t_names(case):
     module, draft, _, _, covered = case
     ids = builds.token_ids(module.HEAD["draft_vocab_size"], 2, 20)
     assert torch.equal(draft.to_target_ids(ids), covered[ids])
+
+
+def test_a_head_without_its_own_embedding_reads_the_targets(case, tmp_path):
+    """Published heads often ship no `embed_tokens`: after `share_embedding(target)` the draft loads such a
+    checkpoint and embeds with the target build's table (the formula with the target's embedding)."""
+    module, _, _, t, _ = case
+    head = module.HEAD
+    target = builds.load(f"generated.tiny_qwen3_moe.{TARGET}.modeling").MODEL_CLASS(dtype=torch.float32)
+    target.init_random(5)
+    tensors = builds.read_tensors(builds.tmp_folder("tiny_qwen3_moe_eagle3"))
+    del tensors["embed_tokens.weight"]
+    folder = builds.write_checkpoint(tmp_path / "no_embed", tensors, {"architectures": ["LlamaForCausalLMEagle3"]})
+    draft = module.DRAFT_CLASS(dtype=torch.float32)
+    draft.share_embedding(target)
+    report = draft.load_checkpoint(folder)
+    assert report.tensors == len(tensors) and "head.embed_tokens.weight" not in dict(draft.named_parameters())
+    ids, aux = builds.token_ids(head["vocab_size"], 2, 7), torch.randn(2, 7, 3 * head["target_hidden_size"])
+    with torch.no_grad():
+        logits, _ = draft(ids, aux, torch.arange(7))
+    shared = dict(t, **{"embed_tokens.weight": target.model.embed_tokens.weight.double()})
+    expected, _ = _formula(shared, ids, aux, torch.arange(7), head, 0)
+    assert builds.rel_err(logits, expected) <= 1e-5

@@ -73,6 +73,10 @@ class Draft(nn.Module):
     def to_target_ids(self, ids):
         return self.head.to_target_ids(ids)
 
+    def share_embedding(self, target):
+        """Embed with the target build's `embed_tokens` (for heads whose checkpoint ships none); call before loading."""
+        self.head.share_embedding(target.model.embed_tokens)
+
     def load_checkpoint(self, path, progress=None):
         # Published Eagle3 checkpoints name their tensors without the `head.` prefix this module adds.
         return load_checkpoint(self.head, path, progress=progress, device=self.device)
