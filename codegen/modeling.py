@@ -183,6 +183,15 @@ def render_draft(decl: Declaration, plan: BuildPlan, registry: Registry, command
         return _render_external(decl, plan, registry, command)
     if draft.kind == "eagle3":
         return _render_eagle3(decl, plan, command)
+    if draft.kind == "embedded_mtp" and decl.family.name == "minimax_m2":
+        from codegen.files import GenerationError
+
+        # MiniMax-AI/MiniMax-M2 issue #47, MiniMax-M2.7 issue #16 (0 of ~1369 tensors match mtp.*), MiniMax-M2.5
+        # issue #8: the configs declare num_mtp_modules, the published checkpoints carry no MTP weights.
+        raise GenerationError(
+            f"{plan.target}: MiniMax-M2 checkpoints as published carry no MTP weights (their config's num_mtp_modules "
+            f"notwithstanding), so {draft.name} has nothing to load; declare an eagle3 or external draft for this model"
+        )
     if draft.kind not in ("embedded_mtp", "replacement_mtp") or decl.family.name not in ("deepseek_v3", "glm4_moe"):
         from codegen.files import GenerationError
 

@@ -71,3 +71,14 @@ def test_an_external_drafter_of_an_explain_only_family_is_refused_by_generate(tm
     assert capsys.readouterr().err == (
         "error: mykimi_mxfp4__sm_90__tp1: the external drafter mykimi_drafter is of family qwen3_next, which the runtime "
         "does not build; declare a drafter of a runtime family or a selection without this spec_mode\n")
+
+
+def test_an_embedded_minimax_mtp_draft_is_refused_with_the_reason(tmp_path, capsys):
+    # MiniMax-M2's published checkpoints ship no MTP tensors (MiniMax-M2 issue #47, MiniMax-M2.7 issue #16).
+    out = tmp_path / "out"
+    code = main(["generate", "--model", "minimax_m3", "--sm", "103", "--parallel", "tp4", "--spec-mode", "mtp", "--out", str(out)])
+    assert code == 2 and not out.exists()
+    assert capsys.readouterr().err == (
+        "error: minimax_m3_nvfp4__sm_103__tp4: MiniMax-M2 checkpoints as published carry no MTP weights (their config's "
+        "num_mtp_modules notwithstanding), so minimax_m3_mtp has nothing to load; declare an eagle3 or external draft for "
+        "this model\n")
