@@ -9,10 +9,10 @@ argument, nothing probes the machine (RULES TG6, LR5). What it says serves is wh
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from codegen.plan import index_entry, target_plan
-from registry.declarations import Declaration, TargetDecl, matching_targets
+from registry.declarations import Declaration, TargetDecl, matching_targets, resolve_target
 from registry.model import NON_NEURAL_MODES
 from registry.model_resolve import ANY, ROLE_NAMES, ModelResolution, resolve_model, span
 from registry.resolve import LayerReport
@@ -31,6 +31,7 @@ class Explained:
     resolution: ModelResolution   # the target's claim (its honored ids), or the generic build's
     decision: Decision | None     # the router's decision for the target; None without one
     generic: ModelResolution | None = None   # what the generic build binds when the target does not serve
+    generic_draft: bool = False   # the generic build constructs the draft of the selection's mode
 
     @property
     def serves(self) -> bool:
@@ -47,21 +48,31 @@ class Explained:
 
     @property
     def loaded_bound(self) -> tuple:
-        """(role, layers, id) that the loaded build binds: a generic build holds no draft (RULES SD3)."""
-        generic = self.target is None or not self.serves
-        return tuple(b for b in bound_layers(self.loaded) if not (generic and b[0] == "draft"))
+        """(role, layers, id) that the loaded build binds: a generic build holds a draft only where it
+        constructs one for the selection's mode (RULES SD3)."""
+        drops = (self.target is None or not self.serves) and not self.generic_draft
+        return tuple(b for b in bound_layers(self.loaded) if not (drops and b[0] == "draft"))
 
 
 def explain(decl: Declaration, sm: int, selection: Selection, parallel: str | None = None, checkpoint: str | None = None) -> list[Explained]:
+    held = _generic_holds_draft(decl, selection.spec_mode)
     targets = matching_targets(decl, sm, parallel, checkpoint)
     if targets:
-        return [_target_site(decl, t, selection) for t in targets]
+        return [replace(_target_site(decl, t, selection), generic_draft=held) for t in targets]
     layout = decl.layout(parallel) if parallel else None
     ckpt = checkpoint or decl.checkpoints[0].name
     resolution = resolve_model(
         decl.facts(ckpt), selection, sm=sm, moe_tp=layout.moe_tp if layout else 1, ep=layout.ep if layout else 1
     )
-    return [Explained(decl.model.name, f"{decl.model.name}/generic", None, parallel or "tp1", resolution, None)]
+    return [Explained(decl.model.name, f"{decl.model.name}/generic", None, parallel or "tp1", resolution, None, None, held)]
+
+
+def _generic_holds_draft(decl: Declaration, mode: str | None) -> bool:
+    """Whether the model's generic build constructs the draft of speculative `mode` (generic/draft.py)."""
+    from codegen.modeling import generic_draft
+
+    draft = generic_draft(decl)
+    return mode is not None and draft is not None and mode in draft.modes
 
 
 def _target_site(decl: Declaration, target: TargetDecl, selection: Selection) -> Explained:
@@ -112,6 +123,25 @@ def _report_lines(report: LayerReport) -> list[str]:
     return lines
 
 
+def _draft_build_line(decl: Declaration, site: Explained, mode: str) -> str:
+    """Which draft build serves the selection's speculative mode at this site (RULES TG6): the serving
+    target's draft.py, or else what the generic build that loads instead constructs."""
+    # Resolution already refused a mode no declared draft serves.
+    draft = next(d for d in decl.drafts if mode in d.modes)
+    if site.target is not None and site.serves:
+        return f"  draft build: generated/{decl.model.name}/{site.target.name}/draft.py ({draft.kind} {draft.name})"
+    why = ""
+    if site.target is not None:
+        built = site.target.selection.spec_mode
+        holds = f"the draft of speculative mode {built}" if built else "no draft"
+        why = (f"target {site.target.name} was generated with {holds}, not {mode}; " if built != mode
+               else f"target {site.target.name} does not serve (criteria above); ")
+    if site.generic_draft:
+        return f"  draft build: {why}generated/{decl.model.name}/generic/draft.py ({draft.kind} {draft.name}, resolved at load)"
+    return (f"  draft build: none ({why}generic builds construct only the embedded or replacement-head MTP drafts of "
+            f"deepseek_v3 and glm4_moe; the {draft.kind} draft {draft.name} is declared)")
+
+
 def render_text(decl: Declaration, sm: int, selection: Selection, explained: list[Explained], mode: str) -> str:
     family = decl.family
     moe = set(family.moe_layers(decl.config))
@@ -141,14 +171,16 @@ def render_text(decl: Declaration, sm: int, selection: Selection, explained: lis
                 out.append(f"  -> the generic build generated/{decl.model.name}/generic serves instead (RULES TG5); it binds:")
         shown = r if mode == "require" else site.loaded
         generic_loads = site.target is None or (not site.serves and mode != "require")
-        # A generic build holds no draft (RULES SD3): its draft layers are narrated only where the
-        # family is explain-only, as what the selection resolves to.
-        skip_draft = generic_loads and decl.family.runtime
+        # A generic build holds a draft only where it constructs one (RULES SD3); otherwise its draft
+        # layers are narrated only where the family is explain-only, as what the selection resolves to.
+        skip_draft = generic_loads and decl.family.runtime and not site.generic_draft
         for report in shown.reports:
             if not (skip_draft and report.role == "draft"):
                 out += _report_lines(report)
         if dense:
             out.append(f"  dense layers {span(dense)}: no MoE")
+        if selection.spec_mode and selection.spec_mode not in NON_NEURAL_MODES:
+            out.append(_draft_build_line(decl, site, selection.spec_mode))
         if not selection.spec_mode and decl.drafts:
             modes = sorted({m for d in decl.drafts for m in d.modes})
             out.append(f"  draft layers: not selected (no speculative_config.mode; this model's drafts serve {', '.join(modes)})")

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from codegen.files import Output, changed, check_outputs, orphans, remove_orphans, remove_stale_temps, verify_outputs, write_verified
-from codegen.outputs import ALL_COMMAND, build_outputs, docs_outputs, index_outputs, model_outputs
+from codegen.outputs import ALL_COMMAND, build_outputs, docs_outputs, generic_draft_modes, index_outputs, model_outputs
 from codegen.plan import BuildPlan, generic_plan, index_entry, target_plan
 from registry.declarations import MODELS_DIR, Declaration, TargetDecl, find_model, matching_targets
 from registry.errors import DeclarationError, NotHonoredError, SelectionError
@@ -125,7 +125,8 @@ def declared_generation(
         for planned in targets:
             gen.add(root, build_outputs(decl, planned.plan, registry, extra))
     command = ALL_COMMAND + ("" if set(plans) <= set(project) else models_flag(models))
-    gen.add(root, index_outputs(list(plans), [p.plan for _, ts in plans.values() for p in ts], command))
+    gen.add(root, index_outputs(list(plans), [p.plan for _, ts in plans.values() for p in ts], command,
+                                generic_draft_modes(decls[n] for n in plans)))
     gen.add(docs_root, docs_outputs(registry))
     return gen
 
@@ -235,7 +236,8 @@ def model_generation(
         if not refusals:
             gen.add(root, model_outputs(decl, generic_plan(decl), registry, extra))
     if refusals or explored:
-        gen.add(root, index_outputs([decl.model.name], explored, f"python -m codegen generate --model {model}{extra}"))
+        gen.add(root, index_outputs([decl.model.name], explored, f"python -m codegen generate --model {model}{extra}",
+                                    generic_draft_modes([decl])))
     if into_repo:
         whole = declared_generation(project, registry, plans=plans, only=model)
         for name, outputs in whole.roots.items():

@@ -178,14 +178,27 @@ def render_generic(decl: Declaration, plan: BuildPlan, registry: Registry, comma
 
 
 def render_draft(decl: Declaration, plan: BuildPlan, registry: Registry, command: str) -> str:
-    """An embedded MTP draft (DeepSeek-V3 / GLM-4 MoE layout) bound to the draft's own implementation."""
+    """The target's draft build, bound to the draft's own implementations (RULES DR1, DR2)."""
     draft = plan.draft
-    if draft.kind != "embedded_mtp" or decl.family.name not in ("deepseek_v3", "glm4_moe"):
+    if draft.kind == "external":
+        return _render_external(decl, plan, registry, command)
+    if draft.kind == "eagle3":
+        return _render_eagle3(decl, plan, command)
+    if draft.kind == "embedded_mtp" and decl.family.name == "minimax_m2":
+        from codegen.files import GenerationError
+
+        # MiniMax-AI/MiniMax-M2 issue #47, MiniMax-M2.7 issue #16 (0 of ~1369 tensors match mtp.*), MiniMax-M2.5
+        # issue #8: the configs declare num_mtp_modules, the published checkpoints carry no MTP weights.
+        raise GenerationError(
+            f"{plan.target}: MiniMax-M2 checkpoints as published carry no MTP weights (their config's num_mtp_modules "
+            f"notwithstanding), so {draft.name} has nothing to load; declare an eagle3 or external draft for this model"
+        )
+    if draft.kind not in ("embedded_mtp", "replacement_mtp") or decl.family.name not in ("deepseek_v3", "glm4_moe"):
         from codegen.files import GenerationError
 
         raise GenerationError(
-            f"{plan.target}: the runtime builds embedded MTP drafts of deepseek_v3 and glm4_moe; {draft.name} is a "
-            f"{draft.kind} draft of family {decl.family.name}: declare the target's selection without this spec_mode"
+            f"{plan.target}: the runtime builds embedded and replacement-head MTP drafts of deepseek_v3 and glm4_moe, external drafters and Eagle3 heads; "
+            f"{draft.name} is a {draft.kind} draft of family {decl.family.name}: declare the target's selection without this spec_mode"
         )
     impls = sorted({l.impl for l in draft.layers})
     imports: dict[str, list[str]] = {}
@@ -195,8 +208,94 @@ def render_draft(decl: Declaration, plan: BuildPlan, registry: Registry, command
     summary = [line for line in _summary(plan) if " draft " in line]
     return render_python(
         "draft_mtp.py.j2", f"{plan.model}/{plan.target}/draft.py", command, plan.fingerprint, f"Draft of {plan.target}.",
-        plan=plan, draft=draft, summary=summary,
+        plan=plan, draft=draft, summary=summary, generic=False,
         experts_imports=sorted((m, sorted(set(n))) for m, n in imports.items()),
         implementations=[(i, registry.impl(i).class_name, registry.impl(i).family) for i in impls],
         cpu_impls=tuple(i for i in impls if registry.impl(i).cpu),
     )
+
+
+def _drafter(decl: Declaration, plan: BuildPlan) -> tuple[Declaration, BuildPlan]:
+    """An external drafter as a model of its own family (its config, its checkpoint) and the plan of its build:
+    the target's SM and layout, the draft layers' bindings, the target's honored draft ids as its honored set."""
+    from dataclasses import replace
+
+    from codegen.files import GenerationError
+    from codegen.plan import LayerPlan, camel
+    from registry.families import FAMILIES
+
+    declared = next(d for d in decl.drafts if d.name == plan.draft.name)
+    if not FAMILIES[declared.family].runtime:
+        raise GenerationError(
+            f"{plan.target}: the external drafter {declared.name} is of family {declared.family}, which the runtime "
+            "does not build; declare a drafter of a runtime family or a selection without this spec_mode"
+        )
+    own = Declaration.model_validate({
+        "model": {"name": plan.model, "family": declared.family, "doc": declared.doc or declared.name},
+        "config": declared.config, "checkpoints": [declared.checkpoint.model_dump()],
+    })
+    moe = {l.index: l for l in plan.draft.layers}
+    layers = tuple(moe.get(i, LayerPlan(i, "dense")) for i in range(declared.config["num_hidden_layers"]))
+    return own, replace(
+        plan, family=declared.family, class_name=camel(declared.name) + "ForCausalLM", checkpoint=declared.checkpoint.name,
+        config=declared.config, layers=layers, moe_impls_honored=plan.draft_moe_impls_honored, draft_moe_impls_honored=None,
+    )
+
+
+def _render_external(decl: Declaration, plan: BuildPlan, registry: Registry, command: str) -> str:
+    """An external drafter: its own family's build (its config, the draft selection's bindings) plus the draft interface."""
+    own, drafter = _drafter(decl, plan)
+    context = _context(own, drafter, registry, generic=False)
+    title = f"{plan.target} draft: {plan.draft.name}, an external {drafter.family} drafter."
+    summary = ([f"Speculative mode {plan.draft.mode}; its MoE kernels pre-bound for sm_{plan.sm}.", ""] + context["architecture"]
+               + [""] + [line for line in _summary(plan) if " draft " in line])
+    return render_python("draft_external.py.j2", f"{plan.model}/{plan.target}/draft.py", command, plan.fingerprint,
+                         f"Draft of {plan.target}.", title=title, summary=summary, draft=plan.draft, **context)
+
+
+def eagle3_aux_layers(config: dict, target_layers: int) -> tuple[int, ...]:
+    """The target layers whose outputs an Eagle3 head fuses. vLLM and SGLang capture the residual stream
+    entering layers `eagle_aux_hidden_state_layer_ids` (default 2, L // 2, L - 3), i.e. after the layer before
+    each (the declaration checked them when it loaded)."""
+    ids = config.get("eagle_aux_hidden_state_layer_ids", [2, target_layers // 2, target_layers - 3])
+    return tuple(i - 1 for i in ids)
+
+
+def _render_eagle3(decl: Declaration, plan: BuildPlan, command: str) -> str:
+    """An Eagle3 head (runtime.ops.eagle3) with the shape its declared config gives (checked when it loaded)."""
+    from codegen.modelspec import rope
+
+    c = dict(next(d for d in decl.drafts if d.name == plan.draft.name).config)
+    head = {k: c[k] for k in ("vocab_size", "draft_vocab_size", "hidden_size", "target_hidden_size", "intermediate_size")}
+    head |= {"num_heads": c["num_attention_heads"], "num_kv_heads": c["num_key_value_heads"], "head_dim": c["head_dim"],
+             "rms_norm_eps": float(c.get("rms_norm_eps", 1e-6))}
+    # Published Eagle3 heads are Llama layers: Llama's rotary defaults (base 10000, full head), which
+    # qwen3_moe's defaults equal.
+    return render_python(
+        "draft_eagle3.py.j2", f"{plan.model}/{plan.target}/draft.py", command, plan.fingerprint, f"Draft of {plan.target}.",
+        plan=plan, draft=plan.draft, c=c, head=head, rope=rope(c, "qwen3_moe", c["head_dim"]),
+        aux_layers=eagle3_aux_layers(c, decl.config["num_hidden_layers"]),
+    )
+
+
+def generic_draft(decl: Declaration):
+    """The MTP draft a model's generic build constructs (resolved at load), or None: the generic build of a
+    deepseek_v3 / glm4_moe model builds its embedded or replacement-head MTP; other kinds only as a target's."""
+    if decl.family.name not in ("deepseek_v3", "glm4_moe"):
+        return None
+    for draft in decl.drafts:
+        count = draft.num_layers if draft.num_layers is not None else decl.family.num_draft_layers(decl.config)
+        if draft.kind in ("embedded_mtp", "replacement_mtp") and count:
+            return draft
+    return None
+
+
+def render_generic_draft(decl: Declaration, plan: BuildPlan, command: str) -> str:
+    from types import SimpleNamespace
+
+    declared = generic_draft(decl)
+    draft = SimpleNamespace(name=declared.name, kind=declared.kind, mode=declared.modes[0], layers=())
+    summary = ["Serves what the generic modeling.py serves; its MoE layers resolve when it loads, under the draft's",
+               "own selection (RULES DR1, DR2, GN1)."]
+    return render_python("draft_mtp.py.j2", f"{plan.model}/generic/draft.py", command, plan.fingerprint,
+                         f"Generic draft of {plan.model}.", plan=plan, draft=draft, summary=summary, generic=True)

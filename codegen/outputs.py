@@ -53,9 +53,16 @@ def build_outputs(decl: Declaration, plan: BuildPlan, registry: Registry, extra:
     return out
 
 
+def generic_draft_modes(decls) -> dict[str, tuple[str, ...]]:
+    """Model -> the speculative modes of the draft its generic build constructs, for models that have one."""
+    from codegen.modeling import generic_draft
+
+    return {d.model.name: tuple(draft.modes) for d in decls if (draft := generic_draft(d)) is not None}
+
+
 def model_outputs(decl: Declaration, generic: BuildPlan, registry: Registry, extra: str = "") -> list[Output]:
     """Per model: its package, its facts (read by the router and the generic build), its generic build."""
-    from codegen.modeling import render_generic
+    from codegen.modeling import generic_draft, render_generic, render_generic_draft
 
     name = decl.model.name
     command = model_command(name, extra)
@@ -74,15 +81,21 @@ def model_outputs(decl: Declaration, generic: BuildPlan, registry: Registry, ext
                                                            f"Generic build of {name}.", docstring=f"Generic build of {name}: resolves each layer when it loads."),
                DATA_CLAIMS),
         Output(f"{name}/generic/modeling.py", render_generic(decl, generic, registry, command), GENERIC_CLAIMS),
-    ]
+    ] + ([Output(f"{name}/generic/draft.py", render_generic_draft(decl, generic, command), GENERIC_CLAIMS)] if generic_draft(decl) else [])
 
 
-def index_outputs(models: list[str], plans: list[BuildPlan], command: str = ALL_COMMAND) -> list[Output]:
-    """The root package: `load_model` and the router index of the builds in this root."""
+def index_outputs(models: list[str], plans: list[BuildPlan], command: str = ALL_COMMAND,
+                  generic_drafts: dict[str, tuple[str, ...]] | None = None) -> list[Output]:
+    """The root package: `load_model` and the router index of the builds in this root.
+
+    `generic_drafts`: model -> the speculative modes its generic build's `draft.py` serves."""
     import hashlib
 
+    drafts = generic_drafts or {}
     targets = [index_entry(p) for p in sorted(plans, key=lambda p: (p.model, p.target))]
-    entries = [{"name": m, "generic": f".{m}.generic.modeling", "facts": f".{m}.facts"} for m in sorted(models)]
+    entries = [{"name": m, "generic": f".{m}.generic.modeling", "facts": f".{m}.facts",
+                "generic_draft": {"module": f".{m}.generic.draft", "modes": sorted(drafts[m])} if m in drafts else None}
+               for m in sorted(models)]
     fingerprint = "sha256:" + hashlib.sha256(json.dumps([entries, targets], sort_keys=True).encode()).hexdigest()
     return [
         Output("_router_index.py", render_python("router_index.py.j2", "_router_index.py", command, fingerprint,

@@ -192,6 +192,8 @@ def index_entry(plan: BuildPlan) -> dict:
         "moe_impls_honored": plan.moe_impls_honored,
         "draft_moe_impls_honored": plan.draft_moe_impls_honored,
         "spec_mode": plan.draft.mode if plan.draft else None,
+        # The draft build the target holds (TG6: a target serves a speculative selection only with it).
+        "draft": {"module": f".{plan.model}.{plan.target}.draft", "name": plan.draft.name, "kind": plan.draft.kind} if plan.draft else None,
         "bound": [[role, list(layers), impl] for role, layers, impl in plan.bound],
     }
 

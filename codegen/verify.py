@@ -23,7 +23,7 @@ DATA, ROOT = "data", "root"   # constants only (facts, router index, package doc
 # The allow-list (RULES GN4): the builtins each kind of module may name besides what it binds itself
 # (so never eval, exec, open, getattr, __import__, globals...), the attributes it may read (the
 # runtime, torch and nn API the templates use; no dunder but __init__), the modules it may import.
-_MODEL_BUILTINS = frozenset({"True", "False", "None", "super", "range", "len", "tuple", "enumerate", "str", "float"})
+_MODEL_BUILTINS = frozenset({"True", "False", "None", "super", "range", "len", "tuple", "enumerate", "str", "float", "ValueError"})
 _BUILTINS = {
     SPECIALIZED: _MODEL_BUILTINS,
     DRAFT: _MODEL_BUILTINS,
@@ -40,6 +40,8 @@ _MODEL_ATTRIBUTES = frozenset({
     # the modules a build is made of (checkpoint names)
     "model", "embed_tokens", "self_attn", "mlp", "block_sparse_moe", "input_layernorm", "post_attention_layernorm",
     "norm", "rotary_emb", "lm_head", "shared_head", "blocks", "new_cache", "hidden_states", "rank",
+    # draft builds (MTP, generic MTP resolved at load, Eagle3, external drafters)
+    "spec_mode", "draft_layers", "_layers", "head", "midlayer", "to_target_ids", "share_embedding",
 })
 _ATTRIBUTES = {
     SPECIALIZED: _MODEL_ATTRIBUTES,
@@ -294,8 +296,9 @@ class _Checker:
             self.fail(None, "a generic build resolves through registry.generic", "it does not import registry.generic")
         for imp in imports:
             root = imp.module.split(".")[0]
-            if root not in ("__future__", "torch", "runtime") and imp.module not in ("registry.generic", "..facts"):
-                self.fail(imp.node, "a generic build imports only torch, the runtime, registry.generic and its facts",
+            # ".modeling": a generic draft.py reads its sibling generic build's constants and layer builders.
+            if root not in ("__future__", "torch", "runtime") and imp.module not in ("registry.generic", "..facts", ".modeling"):
+                self.fail(imp.node, "a generic build imports only torch, the runtime, registry.generic, its facts and its modeling",
                           f"it imports {imp.module}")
             targets = [imp.module] if imp.module != "runtime" or imp.names is None else [f"runtime.{n}" for n in imp.names]
             for target in targets:
@@ -468,7 +471,7 @@ def verify_tree(root: Path, plans, registry) -> list[str]:
         claims[f"{base}/modeling.py"] = claims_for_modeling(plan, registry)
         if plan.draft is not None:
             claims[f"{base}/draft.py"] = claims_for_draft(plan, registry)
-    for path in root.glob("*/generic/modeling.py"):
+    for path in [*root.glob("*/generic/modeling.py"), *root.glob("*/generic/draft.py")]:
         claims[path.relative_to(root).as_posix()] = GENERIC_CLAIMS
     checked = []
     for rel in sorted({p.relative_to(root).as_posix() for p in root.rglob("*.py")} | set(claims)):

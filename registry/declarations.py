@@ -73,6 +73,11 @@ class CheckpointDecl(_Strict):
         return CheckpointQuant(self.quant_algo, self.exclude_modules, tuple(sorted(self.quantized_layers.items())))
 
 
+# What an Eagle3 head's config must give (its one decoder layer, its vocabularies, the target's width).
+EAGLE3_KEYS = ("vocab_size", "draft_vocab_size", "hidden_size", "target_hidden_size", "intermediate_size",
+               "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
 class DraftDecl(_Strict):
     name: str = Field(pattern=TOKEN)
     kind: Literal["embedded_mtp", "replacement_mtp", "external", "eagle3", "draft_stages"]
@@ -100,6 +105,9 @@ class DraftDecl(_Strict):
             raise ValueError(f"{article} {self.kind} draft has its own checkpoint: add [drafts.checkpoint] with its quant metadata")
         if self.kind == "draft_stages" and (self.num_layers is None or self.experts_prefix is None):
             raise ValueError("draft stages need num_layers and experts_prefix (with '{k}' for the stage number)")
+        if self.kind == "eagle3" and (self.config is None or self.checkpoint is None):
+            raise ValueError(f"an Eagle3 draft has its own checkpoint and config: add [drafts.checkpoint] and a config with "
+                             f"{', '.join(EAGLE3_KEYS)}")
         if self.kind == "external" and (self.family is None or self.config is None):
             raise ValueError("an external drafter needs its own family and config")
         if self.family is not None and self.family not in FAMILIES:
@@ -217,13 +225,14 @@ class Declaration(_Strict):
 
     def _draft_facts(self, draft: DraftDecl, target_quant: CheckpointQuant) -> DraftFacts:
         family = self.family
-        if draft.kind in ("external", "eagle3") and draft.config is not None:
+        if draft.kind == "eagle3":
+            # One dense decoder layer: no MoE layer for a draft selection to bind.
+            return DraftFacts(draft.name, draft.kind, draft.modes, (), None, draft.vanilla_with_target)
+        if draft.kind == "external" and draft.config is not None:
             own = FAMILIES[draft.family or family.name]
             quant = draft.checkpoint.quant() if draft.checkpoint else CheckpointQuant()
             modules = [own.experts_module(i) for i in own.moe_layers(draft.config)]
             members, shape, layers = own.expert_members, own.shape(draft.config), own.moe_layers(draft.config)
-        elif draft.kind == "eagle3":
-            return DraftFacts(draft.name, draft.kind, draft.modes, (), None, draft.vanilla_with_target)
         else:
             quant = draft.checkpoint.quant() if draft.checkpoint else target_quant
             count = draft.num_layers if draft.num_layers is not None else family.num_draft_layers(self.config)
@@ -251,7 +260,9 @@ class Declaration(_Strict):
             drafts = []
             for n, draft in enumerate(data["drafts"]):
                 own = draft.get("family") or family if isinstance(draft, dict) else None
-                if isinstance(own, str) and own in CONFIGS and isinstance(draft.get("config"), dict):
+                # An Eagle3 head's config is no family's: _cross_checks reads it key by key.
+                if (isinstance(own, str) and own in CONFIGS and isinstance(draft.get("config"), dict)
+                        and draft.get("kind") != "eagle3"):
                     draft = draft | {"config": _typed(own, draft["config"], ("drafts", n, "config"), "the drafter's config")}
                 drafts.append(draft)
             data["drafts"] = drafts
@@ -267,6 +278,37 @@ class Declaration(_Strict):
                     f"profile {name!r} is named like a parallel layout (tp<N>, tp<N>_moetp<X>ep<Y>, dep<N>), which "
                     f"means something of its own; this profile declares {profile.tp * profile.dp} ranks "
                     f"(tp {profile.tp}, moe_tp {profile.moe_tp}, ep {profile.ep}, dp {profile.dp}): rename it (e.g. low_latency)",
+                )
+        for n, draft in enumerate(self.drafts):
+            # An Eagle3 head's config is its own (not a family's): checked here, key by key.
+            if draft.kind == "eagle3" and draft.config is not None:
+                for key in EAGLE3_KEYS:
+                    value = draft.config.get(key)
+                    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                        raise _FieldError(("drafts", n, "config"), f"the Eagle3 config needs {key} as a positive integer, got {value!r}; set it")
+                if draft.config["target_hidden_size"] != self.config.get("hidden_size"):
+                    raise _FieldError(("drafts", n, "config", "target_hidden_size"),
+                                      f"the Eagle3 draft {draft.name} has target_hidden_size {draft.config['target_hidden_size']!r} "
+                                      f"and the target hidden_size {self.config.get('hidden_size')!r}; set it to the target's")
+                layers = self.config["num_hidden_layers"]
+                ids = draft.config.get("eagle_aux_hidden_state_layer_ids", [2, layers // 2, layers - 3])
+                if (not isinstance(ids, list) or len(ids) != 3 or any(not isinstance(i, int) or isinstance(i, bool) for i in ids)
+                        or not all(1 <= i <= layers for i in ids)):
+                    raise _FieldError(("drafts", n, "config"),
+                                      f"eagle_aux_hidden_state_layer_ids must be three layer indices in [1, {layers}] (vLLM's "
+                                      f"convention: the state entering that layer), got {ids!r}; fix them")
+                if draft.config["vocab_size"] != self.config.get("vocab_size"):
+                    raise _FieldError(("drafts", n, "config", "vocab_size"),
+                                      f"the Eagle3 draft {draft.name} has vocab_size {draft.config['vocab_size']!r} and the target "
+                                      f"{self.config.get('vocab_size')!r}: vocab_size is the target's (draft_vocab_size is the draft's own)")
+            # An external drafter proposes ids the target verifies as its own: one vocabulary (Eagle3 maps
+            # its draft vocabulary through d2t instead).
+            if draft.kind == "external" and draft.config is not None and draft.config.get("vocab_size") != self.config.get("vocab_size"):
+                raise _FieldError(
+                    ("drafts", n, "config", "vocab_size"),
+                    f"the external drafter {draft.name} has vocab_size {draft.config.get('vocab_size')!r} and the target "
+                    f"{self.config.get('vocab_size')!r}: an external drafter shares the target's vocabulary; declare a "
+                    "drafter with the target's tokenizer",
                 )
         names = [c.name for c in self.checkpoints]
         for n, name in enumerate(names):

@@ -135,8 +135,9 @@ FAMILIES: dict[str, FamilySpec] = {
             runtime=True,
             architectures=("MiniMaxM2ForCausalLM",),
             experts_prefix="model.layers.{layer}.block_sparse_moe.experts",
-            # MTP modules: one transformer layer each (research §2, num_mtp_modules); the module
-            # path is assumed, no public checkpoint index was available.
+            # MTP modules: one transformer layer each (research §2, num_mtp_modules). The module path is
+            # assumed: the published checkpoints carry no MTP tensors at all (MiniMax-M2 issue #47,
+            # MiniMax-M2.7 issue #16), so codegen builds no embedded MTP draft for this family.
             draft_experts_prefix="model.mtp_modules.{k}.block_sparse_moe.experts",
             expert_members=_W123,
             moe_layers=_every_layer,

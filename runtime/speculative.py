@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from runtime.decoding import Generation, batch_bucket, length_bucket
 
@@ -278,6 +279,9 @@ class SpeculativeDecoder:
         state = [self.tokens, self.pos, self.emitted, self.kept, self.ties, self.draft_tokens,
                  self.draft_pos, self.draft_sel] + ([self.draft_hidden] if self.draft_hidden is not None else [])
         saved = [t.clone() for t in state]
+        # The warm-up's draws must not advance the generator either, or a seeded run that captures
+        # would draw other numbers than one that only replays.
+        rng = self.generator.get_state() if self.generator is not None else None
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -285,6 +289,8 @@ class SpeculativeDecoder:
         torch.cuda.current_stream().wait_stream(side)
         for t, s in zip(state, saved):
             t.copy_(s)
+        if rng is not None:
+            self.generator.set_state(rng)
         graph = torch.cuda.CUDAGraph()
         if self.generator is not None:
             graph.register_generator_state(self.generator)
@@ -365,6 +371,8 @@ def attach_draft(target, draft, note: str | None = None) -> None:
     """Make `draft` the target's default draft (`target.draft`), kept out of the target's module tree so
     its parameters, state dict and checkpoint loading stay the target's own; without one, `note` says why
     (what a speculative `generate` then logs and reports)."""
+    if isinstance(draft, nn.Module) and getattr(draft, "INPUT", None) == "tokens":
+        draft = ExternalDrafter(draft, target)   # an external drafter's build is a causal LM of its own
     target.__dict__["draft"] = draft
     target.__dict__["draft_note"] = note
 

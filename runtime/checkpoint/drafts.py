@@ -26,5 +26,6 @@ def mtp_tensor_patterns(config: dict) -> tuple[str, ...]:
         return tuple(f"model.layers.{first + k}.*" for k in range(count))
     if model_type in _MTP_PREFIX:
         return ("mtp.*",)
-    # MiniMax-M2 declares MTP modules (num_mtp_modules) but no source here gives their tensor names.
+    # MiniMax-M2 declares MTP modules (num_mtp_modules), but its published checkpoints ship no MTP tensors
+    # (MiniMax-M2 issue #47, MiniMax-M2.7 issue #16): nothing to ignore.
     return ()

@@ -1,4 +1,4 @@
-"""Model ops that generated builds assemble: norms, rotary, attention, MLPs, MoE block, MTP, heads.
+"""Model ops that generated builds assemble: norms, rotary, attention, MLPs, MoE block, MTP, Eagle3, heads.
 
 Constructors take explicit keyword arguments (numbers, booleans, short strings), never config objects,
 and name submodules and parameters as the checkpoints do (docs/runtime.md, "Model ops"). Parameters are
@@ -6,6 +6,7 @@ allocated empty with the dtype given at construction (fp32 where a reference kee
 and correction biases); build a model in its final dtype rather than calling `.to(dtype)` on it.
 """
 from runtime.ops.attention_core import attention
+from runtime.ops.eagle3 import Eagle3Head
 from runtime.ops.embedding import LMHead, VocabEmbedding
 from runtime.ops.gqa import GQAttention
 from runtime.ops.kv_cache import StaticCache
@@ -18,7 +19,7 @@ from runtime.ops.norms import ProjectionRMSNorm, RMSNorm
 from runtime.ops.rotary import RotaryEmbedding, apply_rotary, mla_softmax_scale
 
 __all__ = [
-    "ColumnParallelLinear", "GQAttention", "LMHead", "MLAttention", "MLP", "MoEBlock", "MTPBlock",
+    "ColumnParallelLinear", "Eagle3Head", "GQAttention", "LMHead", "MLAttention", "MLP", "MoEBlock", "MTPBlock",
     "ProjectionRMSNorm", "RMSNorm", "RotaryEmbedding", "RowParallelLinear", "SharedExpertGate", "SharedHead",
     "StaticCache", "VocabEmbedding", "apply_rotary", "attention", "mla_softmax_scale",
 ]

@@ -60,7 +60,8 @@ def test_greedy_generate_is_the_argmax_of_the_full_forward(family):
     model = _model(FAMILY_TARGETS[family])
     prompt = builds.token_ids(model.lm_head.weight.shape[0], batch=3, length=4)  # 3 rows: a bucket of 4
     out = model.generate(prompt, 5)
-    assert torch.equal(out.tokens, _greedy_reference(model, prompt, 5))
+    # The tiny builds bind TORCH, whose GEMMs run on bf16 operands even in an fp32 build.
+    builds.assert_greedy_equal_up_to_ties(model, out.tokens, _greedy_reference(model, prompt, 5))
     assert out.decode_steps == 4 and out.tokens_per_s > 0
     # The same decoder serves the next call (its caches are overwritten from position 0).
     again = model.generate(prompt[:1], 3)

@@ -12,9 +12,9 @@ FILES = builds.modeling_files() + builds.draft_files()
 IDS = [str(p.relative_to(builds.GENERATED)) for p in FILES]
 
 # The build's identity and entry points: read by the router index, the claims check and users, not by
-# the file's own code.
+# the file's own code (an external drafter's DRAFT_LAYERS is its claims-checked draft table).
 PUBLIC = {"MODEL", "FAMILY", "TARGET", "CHECKPOINT", "SM", "PARALLEL", "MOE_IMPLS_HONORED", "DRAFT_MOE_IMPLS_HONORED",
-          "MODEL_CLASS", "DRAFT_CLASS", "DRAFT", "MODE"}
+          "MODEL_CLASS", "DRAFT_CLASS", "DRAFT", "MODE", "DRAFT_LAYERS"}
 # Constants that need their reason next to them (a comment on the line or the line above).
 EXPLAINED = {"IMPLEMENTATIONS", "MOE_IMPLS_HONORED", "CPU_IMPLS", "LAYERS", "IGNORED_TENSORS", "EXPERTS_SPEC",
              "SOFTMAX_SCALE", "SLIDING_WINDOWS", "DRAFT_LAYERS", "INTERLEAVED_ROPE"}
@@ -96,11 +96,13 @@ def test_a_build_says_where_its_experts_dequantize_and_whether_they_ever_ran_on_
 
     folder = builds.GENERATED / "kimi_k3" / "kimi_k3_mxfp4__sm_100__tp16_moetp4ep4"
     doc = ast.get_docstring(_tree(folder / "modeling.py")).splitlines()
-    assert doc[-2:] == [
+    assert doc[-4:] == [
         "MoE routed layers 1-92 (w4a16_mxfp4): torch.grouped_mm.grouped_gemm.w4a16_mxfp4 (TORCH, preferred).",
         "  Weights kept packed, dequantized per expert group in the forward; runs on sm_100: unverified (never run on that SM).",
+        "MoE draft layers 1 (bf16): torch.grouped_mm.grouped_gemm.bf16 (TORCH, preferred).",   # its external drafter
+        "  Weights unquantized, used as loaded; runs on sm_100: unverified (never run on that SM).",
     ]
-    (layer,) = json.loads((folder / "resolution.json").read_text(encoding="utf-8"))["layers"]
+    layer, _drafter = json.loads((folder / "resolution.json").read_text(encoding="utf-8"))["layers"]
     assert (layer["weights"], layer["verification"]) == (
         "kept packed, dequantized per expert group in the forward", "runs on sm_100: unverified (never run on that SM)")
     cupy = ast.get_docstring(_tree(builds.GENERATED / "gpt_oss_120b" / "gpt_oss_120b_mxfp4__sm_90__tp1" / "modeling.py"))

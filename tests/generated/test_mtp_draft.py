@@ -122,3 +122,52 @@ def test_the_draft_matches_transformers_mtp_layer(case, transformers_mtp):
         per_position = ((hidden.double() - theirs).norm(dim=-1) / theirs.norm(dim=-1)).flatten()
         assert per_position.median() <= 8e-3
     assert builds.rel_err(logits, expected) <= 1e-2
+
+
+def test_the_draft_presents_the_draft_interface_and_its_cache_reproduces_the_full_forward(case):
+    """The speculative loop's contract (INPUT, to_target_ids, new_caches): one position at a time through
+    the draft's own cache gives the full-sequence forward's logits."""
+    _, _, _, target, draft, _ = case
+    assert type(draft).INPUT == "hidden"
+    vocab = draft.blocks[0].embed_tokens.weight.shape[0]
+    ids, next_ids = builds.token_ids(vocab, 2, 8), builds.token_ids(vocab, 2, 8)
+    assert torch.equal(draft.to_target_ids(next_ids), next_ids)
+    with torch.no_grad():
+        hidden = target.hidden_states(ids)
+        full, full_hidden = draft(next_ids, hidden)
+        caches = draft.new_caches(2, 16)
+        steps = [draft(next_ids[:, t:t + 1], hidden[:, t:t + 1], torch.tensor([t]), caches[0])[0] for t in range(8)]
+    assert full_hidden.shape == hidden.shape
+    # Not bit-equal: fp32 attention sums in another order per step and the experts round their inputs to
+    # bf16 (observed <= 4e-4 per position; a rare router flip moves one position): a draft that ignored its
+    # cache is off by 0.5-1 at the later positions (measured).
+    errors = builds.per_position_err(torch.cat(steps, 1), full)
+    assert errors.median() <= 1e-3, errors
+
+
+def test_the_generic_build_constructs_the_mtp_draft_resolved_at_load(case, transformers_mtp):
+    """Generic builds construct the draft the selection's mode needs (issue 13): `generic/draft.py` resolves
+    its MTP layers when it loads, under the draft's own selection, and computes transformers' MTP layer."""
+    from registry.selection import Selection
+
+    model, folder, tensors, target, draft, _ = case
+    main, mtp = transformers_mtp
+    module = builds.load(f"generated.{model}.generic.draft")
+    selection = Selection(spec_mode="mtp", draft_backend="TORCH")
+    generic = module.DRAFT_CLASS(checkpoint=f"{model}_bf16", sm=90, selection=selection, dtype=torch.float32)
+    report = generic.load_checkpoint(folder)
+    assert [i for i, _ in generic.draft_layer_ids()] == [i for i, _ in builds.load(type(draft).__module__).DRAFT_LAYERS]
+    assert {impl for _, impl in generic.draft_layer_ids()} == {"torch.grouped_mm.grouped_gemm.bf16"}
+    assert report.tensors == draft.load_checkpoint(folder).tensors
+    prefix = _mtp_prefix(draft)
+    ids, next_ids = builds.token_ids(main.config.vocab_size, 2, 10), builds.token_ids(main.config.vocab_size, 2, 10)
+    with torch.no_grad():
+        hidden = target.hidden_states(ids)
+        logits, _ = generic(next_ids, hidden)
+        embeds = tensors[prefix + "embed_tokens.weight"].double()[next_ids]
+        normed = mtp.forward_layer(0, hidden.double(), torch.arange(ids.shape[1])[None], None, inputs_embeds=embeds)
+        expected = normed @ tensors[prefix + "shared_head.head.weight"].double().T
+    assert builds.rel_err(logits, expected) <= 1e-2
+    with pytest.raises(ValueError) as info:
+        module.DRAFT_CLASS(checkpoint=f"{model}_bf16", sm=90, selection=Selection(), dtype=torch.float32)
+    assert str(info.value) == f"{model}/generic draft serves speculative_config.mode 'mtp'; pass a selection with that mode"

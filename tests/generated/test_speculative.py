@@ -278,9 +278,16 @@ def test_without_a_draft_it_decodes_with_the_target_and_says_so():
         f"{type(plain).__name__} was loaded without a draft (no speculative_config.mode): decoded with the target alone")
     generic = load_model("tiny_deepseek_v3", 90, checkpoint_name="tiny_deepseek_v3_bf16", mode="off",
                          moe_config={"backend": "TORCH"}, speculative_config={"mode": "mtp"}, dtype=torch.float32).eval()
-    assert generic.draft is None
-    assert generic.generate(prompt, 3, speculative=2).note == (
-        "the generic build constructs no draft: mode 'mtp' decoded with the target alone")
+    # The generic build of a DeepSeek-V3 model constructs its MTP draft (resolved at load) and decodes with it.
+    assert generic.draft is not None and type(generic.draft).__module__ == "generated.tiny_deepseek_v3.generic.draft"
+    out = generic.generate(prompt, 8, speculative=2)
+    assert out.note is None and out.proposed == 2 * out.rounds
+    builds.assert_greedy_equal_up_to_ties(generic, out.tokens, _greedy_reference(generic, prompt, 8))
+    # A generic build without a draft for the mode decodes with the target alone and says so.
+    eagle = load_model("tiny_qwen3_moe", 90, mode="off", speculative_config={"mode": "eagle3"}, dtype=torch.float32).eval()
+    assert eagle.draft is None
+    assert eagle.generate(prompt, 3, speculative=2).note == (
+        "the generic build of tiny_qwen3_moe constructs no draft for mode 'eagle3': decoded with the target alone")
 
 
 def test_rows_that_reach_eos_continue_with_it_and_decoding_stops_early():
@@ -398,7 +405,7 @@ def test_the_launcher_decodes_with_the_mtp_draft_and_reports_acceptance(capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--model", "tiny_qwen3_moe", "--generate", "4", "--spec-mode", "mtp"],
-     "tiny_qwen3_moe has no draft for speculative_config.mode 'mtp'; its drafts serve: none"),
+     "tiny_qwen3_moe has no draft for speculative_config.mode 'mtp'; its drafts serve: eagle3"),
     (["--model", "tiny_qwen3_moe", "--generate", "4", "--draft-tokens", "2"],
      "--draft-tokens sets the draft's proposals per round: give --spec-mode too"),
     (["--model", "tiny_deepseek_v3", "--checkpoint-name", "tiny_deepseek_v3_bf16", "--spec-mode", "mtp"],
@@ -423,7 +430,8 @@ def test_hidden_states_gives_the_outputs_of_the_listed_layers_for_eagle3():
     from generated import load_model
 
     folder = builds.transformers_checkpoint("tiny_qwen3_moe")
-    target = load_model("tiny_qwen3_moe", 90, checkpoint=str(folder), dtype=torch.float32).eval()
+    # VANILLA computes in fp32 (TORCH rounds GEMM operands to bf16), so the comparison can be tight.
+    target = load_model("tiny_qwen3_moe", 90, checkpoint=str(folder), dtype=torch.float32, moe_config={"backend": "VANILLA"}).eval()
     theirs = builds.transformers_model(folder, torch.float64)
     ids = builds.token_ids(512, batch=2, length=9)
     with torch.no_grad():
@@ -433,4 +441,4 @@ def test_hidden_states_gives_the_outputs_of_the_listed_layers_for_eagle3():
     assert aux.shape == (2, 9, 2 * width)
     assert torch.equal(final, target.hidden_states(ids))
     assert torch.equal(target.model.norm(aux[..., width:]), final)
-    assert builds.rel_err(aux[..., :width], expected) < 1e-3
+    assert builds.rel_err(aux[..., :width], expected) < 1e-5

@@ -86,22 +86,25 @@ def test_explain_shows_the_draft_layers_when_a_speculative_mode_is_set(capsys):
 
 
 def test_a_target_whose_build_has_no_draft_does_not_serve_a_speculative_selection(capsys):
-    # RULES TG6, SD3: kimi_k3's targets honor any draft id, so they claim it, but were built without a draft
-    code, out, _ = explain(capsys, "--model", "kimi_k3", "--sm", "100", "--spec-mode", "draft_target")
+    # RULES TG6, SD3: kimi_k3's tp16_moetp16ep1 target honors any draft id, so it claims the selection,
+    # but was built without a draft (its tp16_moetp4ep4 target holds the external drafter and serves).
+    args = ("--model", "kimi_k3", "--sm", "100", "--parallel", "tp16_moetp16ep1", "--spec-mode", "draft_target")
+    code, out, _ = explain(capsys, *args)
     assert code == 0
-    assert out.count("  claims: yes: claims this selection (RULES TG3, TG4)\n") == 2
-    assert out.count("  draft: no: built with no draft; this selection needs a draft for mode 'draft_target'\n") == 2
-    assert out.count("  -> the generic build generated/kimi_k3/generic serves instead (RULES TG5); it binds:\n") == 2
-    assert out.count("  note: the generic build holds no draft: it decodes without one (RULES SD3)\n") == 2
+    assert out.count("  claims: yes: claims this selection (RULES TG3, TG4)\n") == 1
+    assert out.count("  draft: no: built with no draft; this selection needs a draft for mode 'draft_target'\n") == 1
+    assert out.count("  -> the generic build generated/kimi_k3/generic serves instead (RULES TG5); it binds:\n") == 1
+    assert out.count("  note: the generic build holds no draft: it decodes without one (RULES SD3)\n") == 1
     assert "  draft layers 1:" not in out   # the generic build does not build them
-    code, out, err = explain(capsys, "--model", "kimi_k3", "--sm", "100", "--spec-mode", "draft_target", "--mode", "require")
+    code, out, err = explain(capsys, *args, "--mode", "require")
     assert code == 2
-    assert out.count("  draft layers 1: checkpoint bf16 (unquantized checkpoint), runs bf16 (checkpoint format)") == 2  # the claims narrated
+    assert out.count("  draft layers 1: checkpoint bf16 (unquantized checkpoint), runs bf16 (checkpoint format)") == 1  # the claims narrated
     assert err == (
         "error: --mode require: no target serves this selection: "
-        "kimi_k3_mxfp4__sm_100__tp16_moetp4ep4: built with no draft; this selection needs a draft for mode 'draft_target'; "
         "kimi_k3_mxfp4__sm_100__tp16_moetp16ep1: built with no draft; this selection needs a draft for mode 'draft_target' (RULES TG5, TG6)\n"
     )
+    code, out, _ = explain(capsys, "--model", "kimi_k3", "--sm", "100", "--spec-mode", "draft_target", "--mode", "require")
+    assert code == 0 and "  -> load_model loads kimi_k3_mxfp4__sm_100__tp16_moetp4ep4\n" in out
 
 
 def test_explain_shows_excluded_and_draft_layers_with_their_notes(capsys):
@@ -165,17 +168,20 @@ def test_require_with_an_honored_tactic_exits_0(capsys):
     assert (code, err) == (0, "")
 
 
-def test_a_glm_draft_tactic_is_refused_under_require_and_a_draft_backend_is_claimed_but_not_served(capsys):
-    # RULES TG4, TG5 (scenario glm_5_2); TG6: the target claims the draft backend, but its build has no draft
+def test_a_glm_draft_tactic_is_refused_under_require_and_a_draft_backend_is_served_only_by_the_draft_it_binds(capsys):
+    # RULES TG4, TG5 (scenario glm_5_2); TG6: a target serves the draft backend only when its draft binds what it resolves to
     code, _, err = explain(capsys, "--model", "glm_5_2", "--sm", "107", "--spec-mode", "mtp", "--draft-tactic", "eager", "--mode", "require")
     assert code == 2 and "this target declares no draft_moe_impls_honored, so it honors no tactic" in err
     code, out, err = explain(capsys, "--model", "glm_5_2", "--sm", "107", "--spec-mode", "mtp", "--draft-backend", "VANILLA", "--mode", "require")
-    assert "  claims: yes: claims this selection (RULES TG3, TG4)\n" in out
-    assert "  draft: no: built with no draft; this selection needs a draft for mode 'mtp'\n" in out
-    assert (code, err) == (2, (
-        "error: --mode require: no target serves this selection: glm_5_2_nvfp4__sm_107__low_latency: built with no draft; "
-        "this selection needs a draft for mode 'mtp' (RULES TG5, TG6)\n"
-    ))
+    # The NVFP4 target's build holds its MTP draft bound to VANILLA's nvfp4 loop: it serves.
+    assert (code, err) == (0, "")
+    assert out.count("  claims: yes: claims this selection (RULES TG3, TG4)\n") == 2
+    assert ("  draft: yes: holds the draft this selection needs: its draft for speculative_config.mode 'mtp' "
+            "(torch.eager.loop.nvfp4 for layers 92)\n") in out
+    assert "  -> load_model loads glm_5_2_nvfp4__sm_107__low_latency\n" in out
+    # The FP8-block-MTP target claims the draft backend, but its draft was bound to TORCH's fp8 GEMM.
+    assert ("  draft: no: built with its draft for speculative_config.mode 'mtp' (torch.grouped_mm.grouped_gemm.fp8_block_scales "
+            "for layers 92); this selection needs mode 'mtp' (torch.eager.loop.fp8_block_scales for layers 92)\n") in out
 
 
 def test_json_output_parses_and_holds_the_reports(capsys):
@@ -293,12 +299,12 @@ def test_an_implementation_that_does_not_run_on_the_sm_is_reported_per_candidate
 
 
 def test_the_generic_build_shows_no_refusal_for_a_target_nobody_declared(capsys):
-    # issue 10 §3: no target on sm_100 for deepseek_r1_nvfp4, so nothing can refuse the tactic
-    code, out, err = explain(capsys, "--model", "deepseek_r1_nvfp4", "--sm", "100", "--tactic", "torch", "--json")
+    # issue 10 §3: no target on sm_103 for deepseek_r1_nvfp4, so nothing can refuse the tactic
+    code, out, err = explain(capsys, "--model", "deepseek_r1_nvfp4", "--sm", "103", "--tactic", "torch", "--json")
     assert (code, err) == (0, "")
     (site,) = json.loads(out)["sites"]
     assert (site["name"], site["target"], site["claimed"], site["refusals"], site["criteria"]) == (
         "deepseek_r1_nvfp4/generic", False, True, [], []
     )
-    code, out, _ = explain(capsys, "--model", "deepseek_r1_nvfp4", "--sm", "100", "--tactic", "torch")
+    code, out, _ = explain(capsys, "--model", "deepseek_r1_nvfp4", "--sm", "103", "--tactic", "torch")
     assert code == 0 and "refus" not in out and "honor" not in out

@@ -38,7 +38,8 @@ def test_targets_are_named_checkpoint_sm_parallel():
         "kimi_k3_mxfp4__sm_100__tp16_moetp4ep4",
         "kimi_k3_mxfp4__sm_100__tp16_moetp16ep1",
     ]
-    assert [t.name for t in decl("glm_5_2").targets] == ["glm_5_2_nvfp4__sm_107__low_latency"]
+    assert [t.name for t in decl("glm_5_2").targets] == [
+        "glm_5_2_nvfp4__sm_107__low_latency", "glm_5_2_nvfp4_fp8mtp__sm_107__low_latency"]
     assert [t.name for t in decl("minimax_m3").targets] == [
         "minimax_m3_nvfp4__sm_103__tp4",
         "minimax_m3_nvfp4__sm_103__tp8",
@@ -72,9 +73,10 @@ def test_kimi_k3_targets_each_honor_exactly_one_id_and_any_draft_id():
 
 def test_glm_5_2_honors_one_id_and_declares_no_draft_ids():
     # RULES TG2 (scenario glm_5_2)
-    (t,) = decl("glm_5_2").targets
-    assert t.honored() == frozenset({"torch.eager.loop.nvfp4"})
-    assert t.honored(draft=True) is None
+    # Both: the NVFP4 checkpoint's and the mixed (FP8-block MTP) checkpoint's.
+    for t in decl("glm_5_2").targets:
+        assert t.honored() == frozenset({"torch.eager.loop.nvfp4"})
+        assert t.honored(draft=True) is None
 
 
 def test_minimax_m3_targets_honor_any_draft_id():

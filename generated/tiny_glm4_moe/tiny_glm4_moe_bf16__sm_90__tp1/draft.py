@@ -52,29 +52,36 @@ def make_mtp_layer(index, experts_cls, layout, rank, dtype):
 
 
 class Draft(nn.Module):
-    """`forward(next_token_ids [B, S], previous_hidden [B, S, H], positions, cache, step=0) -> (logits, hidden)`.
+    """`forward(next_token_ids [B, S], target_hidden [B, S, H], positions [S], cache, step=0) -> (logits, hidden)`.
 
-    `previous_hidden` is the target's `hidden_states(...)`: after its final norm, as the reference engines pass it.
-    The draft interface of runtime.speculative: it reads those hidden states (`INPUT`) and proposes target ids.
+    `target_hidden` is the target's `hidden_states(...)` of the previous positions: after its final norm, as the
+    reference engines pass it. The draft shares the target's vocabulary: `to_target_ids` is the identity.
     """
 
+    # What the speculative loop feeds `forward` (the draft interface every draft build presents).
     INPUT = "hidden"
 
     def __init__(self, device="cpu", rank=0, dtype=torch.bfloat16):
         super().__init__()
-        build.check_placement(TARGET + " draft", SM, device, IMPLEMENTATIONS, CPU_IMPLS, owner=self)
+        layers, implementations, layout = DRAFT_LAYERS, IMPLEMENTATIONS, LAYOUT
+        build.check_placement(TARGET + " draft", SM, device, implementations, CPU_IMPLS, owner=self)
         # The draft runs on its target's ranks and layout: the same world checks as modeling.py's.
-        attach_layout(self, TARGET + " draft", PARALLEL, LAYOUT, rank)
-        build.check_rank(TARGET + " draft", LAYOUT.world, rank)
+        attach_layout(self, TARGET + " draft", PARALLEL, layout, rank)
+        build.check_rank(TARGET + " draft", layout.world, rank)
+        self.layout, self._layers = layout, tuple(layers)
         self.rank, self.device, self.dtype = rank, torch.device(device), dtype
         with torch.device(device):
             self.model = nn.Module()
             self.model.layers = nn.ModuleDict(
-                {str(i): make_mtp_layer(i, IMPLEMENTATIONS[impl][0], LAYOUT, rank, dtype) for i, impl in DRAFT_LAYERS}
+                {str(i): make_mtp_layer(i, implementations[impl][0], layout, rank, dtype) for i, impl in layers}
             )
             self.rotary_emb = make_rotary()
-        self.blocks = tuple(self.model.layers[str(i)] for i, _ in DRAFT_LAYERS)
-        build.log_implementations(IMPLEMENTATIONS)
+        self.blocks = tuple(self.model.layers[str(i)] for i, _ in layers)
+        build.log_implementations(implementations)
+
+    def draft_layer_ids(self):
+        """(checkpoint layer index, bound implementation id) of each MTP layer this draft built."""
+        return self._layers
 
     def new_caches(self, batch_size, max_seq_len):
         return [
@@ -82,13 +89,15 @@ class Draft(nn.Module):
             for block in self.blocks
         ]
 
-    def forward(self, next_token_ids, previous_hidden, positions=None, cache=None, step=0):
-        """Draft step `step` reuses MTP layer `step % len(DRAFT_LAYERS)`, as the reference engines do."""
+    def forward(self, next_token_ids, target_hidden, positions=None, cache=None, step=0):
+        """Draft step `step` runs MTP layer `step` (chained layers), then reuses them cyclically, as the reference engines do."""
         if positions is None:
             positions = torch.arange(next_token_ids.shape[-1], device=next_token_ids.device)
-        block = self.blocks[step % len(self.blocks)]
+        layer = step % len(self.blocks)
+        block = self.blocks[layer]
         cos, sin = self.rotary_emb(positions)
-        hidden = block(block.embed_tokens(next_token_ids), previous_hidden, positions, cos, sin, cache)
+        # `cache` is this step's entry of `new_caches()` (runtime.speculative passes `caches[step % len]`).
+        hidden = block(block.embed_tokens(next_token_ids), target_hidden, positions, cos, sin, cache)
         return block.shared_head(hidden), hidden
 
     def to_target_ids(self, ids):

@@ -1,0 +1,55 @@
+"""`explain` names the draft build that serves a speculative selection, per site (RULES TG6), and the router index states each target's draft build."""
+from __future__ import annotations
+
+import importlib
+
+from codegen.cli import main
+
+
+def _explain(capsys, *args) -> list[str]:
+    assert main(["explain", *args]) == 0
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("  draft build: ")]
+
+
+def test_a_target_generated_with_the_mode_names_its_draft_build(capsys):
+    assert _explain(capsys, "--model", "deepseek_r1_nvfp4", "--sm", "100", "--parallel", "tp8", "--spec-mode", "mtp") == [
+        "  draft build: generated/deepseek_r1_nvfp4/deepseek_r1_nvfp4__sm_100__tp8/draft.py (embedded_mtp deepseek_r1_mtp)"]
+    assert _explain(capsys, "--model", "tiny_qwen3_moe", "--sm", "120", "--parallel", "tp1", "--spec-mode", "eagle3") == [
+        "  draft build: generated/tiny_qwen3_moe/tiny_qwen3_moe_bf16__sm_120__tp1/draft.py (eagle3 tiny_qwen3_moe_eagle3)"]
+
+
+def test_a_target_generated_without_the_mode_and_the_generic_build_say_none_serves(capsys):
+    assert _explain(capsys, "--model", "kimi_k3", "--sm", "100", "--parallel", "tp16_moetp16ep1", "--spec-mode", "draft_target") == [
+        "  draft build: none (target kimi_k3_mxfp4__sm_100__tp16_moetp16ep1 was generated with no draft, not draft_target; "
+        "generic builds construct only the embedded or replacement-head MTP drafts of deepseek_v3 and glm4_moe; "
+        "the external draft kimi_k3_drafter is declared)"]
+    assert _explain(capsys, "--model", "kimi_k3", "--sm", "90", "--parallel", "tp16_moetp4ep4", "--spec-mode", "draft_target") == [
+        "  draft build: none (generic builds construct only the embedded or replacement-head MTP drafts of deepseek_v3 and "
+        "glm4_moe; the external draft kimi_k3_drafter is declared)"]
+
+
+def test_the_generic_build_names_its_mtp_draft(capsys):
+    assert _explain(capsys, "--model", "deepseek_r1_nvfp4", "--sm", "90", "--parallel", "tp8", "--spec-mode", "mtp") == [
+        "  draft build: generated/deepseek_r1_nvfp4/generic/draft.py (embedded_mtp deepseek_r1_mtp, resolved at load)"]
+
+
+def test_a_target_without_the_mode_names_the_generic_draft_that_loads_instead(capsys):
+    # The targets bind TORCH; a VANILLA selection loads the generic build, which constructs the MTP draft.
+    lines = _explain(capsys, "--model", "tiny_deepseek_v3", "--sm", "90", "--spec-mode", "mtp", "--backend", "VANILLA")
+    assert lines == [
+        f"  draft build: target tiny_deepseek_v3_{fmt}__sm_90__tp1 does not serve (criteria above); "
+        "generated/tiny_deepseek_v3/generic/draft.py (embedded_mtp tiny_deepseek_v3_mtp, resolved at load)"
+        for fmt in ("bf16", "fp8")
+    ]
+
+
+def test_the_router_index_states_each_targets_draft_build():
+    index = importlib.import_module("generated._router_index").INDEX
+    by_name = {t["name"]: t for t in index["targets"]}
+    assert by_name["kimi_k3_mxfp4__sm_100__tp16_moetp4ep4"]["draft"] == {
+        "module": ".kimi_k3.kimi_k3_mxfp4__sm_100__tp16_moetp4ep4.draft", "name": "kimi_k3_drafter", "kind": "external"}
+    assert by_name["kimi_k3_mxfp4__sm_100__tp16_moetp16ep1"]["draft"] is None
+    for target in index["targets"]:
+        if target["draft"] is not None:
+            module = importlib.import_module(target["draft"]["module"], "generated")
+            assert module.DRAFT == target["draft"]["name"] and module.MODE == target["spec_mode"]

@@ -1,0 +1,29 @@
+"""The shipped draft scenarios have checked-in draft builds bound for the draft's own formats (RULES DR1, DR2): R1 NVFP4 with its BF16 MTP layer, GLM-5.2 with its NVFP4 MTP layer, the Qwen3.8-style NVFP4 target with an FP8-block MTP layer (on glm4_moe, which the runtime builds), kimi_k3's external drafter, qwen3_30b_a3b's Eagle3 head; each constructs on the meta device."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.generated import builds
+
+# (build, the draft's (layer, id) table, the id its target layers bind): the draft's format is its own.
+CASES = {
+    "deepseek_r1_nvfp4.deepseek_r1_nvfp4__sm_100__tp8": (((61, "torch.grouped_mm.grouped_gemm.bf16"),), "torch.eager.loop.nvfp4"),
+    "glm_5_2.glm_5_2_nvfp4__sm_107__low_latency": (((92, "torch.eager.loop.nvfp4"),), "torch.eager.loop.nvfp4"),
+    "glm_5_2.glm_5_2_nvfp4_fp8mtp__sm_107__low_latency": (
+        ((92, "torch.grouped_mm.grouped_gemm.fp8_block_scales"),), "torch.eager.loop.nvfp4"),
+    "kimi_k3.kimi_k3_mxfp4__sm_100__tp16_moetp4ep4": (
+        ((1, "torch.grouped_mm.grouped_gemm.bf16"),), "torch.grouped_mm.grouped_gemm.w4a16_mxfp4"),
+    "qwen3_30b_a3b.qwen3_30b_a3b_bf16__sm_100__tp1": ((), "torch.grouped_mm.grouped_gemm.bf16"),  # Eagle3: no MoE layer
+}
+INPUTS = {"mtp": "hidden", "draft_target": "tokens", "eagle3": "aux_hidden"}
+
+
+@pytest.mark.parametrize("build", sorted(CASES))
+def test_a_shipped_scenarios_draft_is_bound_for_its_own_format(build):
+    draft_layers, target_impl = CASES[build]
+    modeling, draft = builds.load(f"generated.{build}.modeling"), builds.load(f"generated.{build}.draft")
+    assert draft.DRAFT_LAYERS == draft_layers
+    assert {i for i in modeling.LAYERS if i} == {target_impl}
+    built = draft.DRAFT_CLASS(device="meta", dtype=torch.bfloat16)
+    assert type(built).INPUT == INPUTS[draft.MODE]
