@@ -53,11 +53,11 @@ def build_outputs(decl: Declaration, plan: BuildPlan, registry: Registry, extra:
     return out
 
 
-def generic_draft_modes(decls) -> dict[str, tuple[str, ...]]:
-    """Model -> the speculative modes of the draft its generic build constructs, for models that have one."""
+def generic_draft_modes(decls) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Model -> (kind, speculative modes) of the draft its generic build constructs, for models that have one."""
     from codegen.modeling import generic_draft
 
-    return {d.model.name: tuple(draft.modes) for d in decls if (draft := generic_draft(d)) is not None}
+    return {d.model.name: (draft.kind, tuple(draft.modes)) for d in decls if (draft := generic_draft(d)) is not None}
 
 
 def model_outputs(decl: Declaration, generic: BuildPlan, registry: Registry, extra: str = "") -> list[Output]:
@@ -85,16 +85,17 @@ def model_outputs(decl: Declaration, generic: BuildPlan, registry: Registry, ext
 
 
 def index_outputs(models: list[str], plans: list[BuildPlan], command: str = ALL_COMMAND,
-                  generic_drafts: dict[str, tuple[str, ...]] | None = None) -> list[Output]:
+                  generic_drafts: dict[str, tuple[str, tuple[str, ...]]] | None = None) -> list[Output]:
     """The root package: `load_model` and the router index of the builds in this root.
 
-    `generic_drafts`: model -> the speculative modes its generic build's `draft.py` serves."""
+    `generic_drafts`: model -> (draft kind, the speculative modes) of its generic build's `draft.py`."""
     import hashlib
 
     drafts = generic_drafts or {}
     targets = [index_entry(p) for p in sorted(plans, key=lambda p: (p.model, p.target))]
     entries = [{"name": m, "generic": f".{m}.generic.modeling", "facts": f".{m}.facts",
-                "generic_draft": {"module": f".{m}.generic.draft", "modes": sorted(drafts[m])} if m in drafts else None}
+                "generic_draft": {"module": f".{m}.generic.draft", "kind": drafts[m][0], "modes": sorted(drafts[m][1])}
+                if m in drafts else None}
                for m in sorted(models)]
     fingerprint = "sha256:" + hashlib.sha256(json.dumps([entries, targets], sort_keys=True).encode()).hexdigest()
     return [

@@ -29,7 +29,7 @@ _BUILTINS = {
     DRAFT: _MODEL_BUILTINS,
     GENERIC: _MODEL_BUILTINS,
     DATA: frozenset({"True", "False", "None", "float"}),   # float('nan') and float('inf'): codegen.render.py
-    ROOT: _MODEL_BUILTINS | {"bool", "dict", "list", "sorted", "isinstance", "getattr", "ValueError", "__name__", "__package__"},
+    ROOT: _MODEL_BUILTINS | {"bool", "dict", "list", "sorted", "isinstance", "getattr", "next", "__name__", "__package__"},
 }
 _MODEL_ATTRIBUTES = frozenset({
     # torch and torch.nn
@@ -52,7 +52,7 @@ _ATTRIBUTES = {
                      "exit", "format", "get", "getLogger", "import_module", "init_random", "items", "join", "kind",
                      "load_checkpoint", "log", "main", "module", "reasons", "__name__",
                      # the speculative draft load_model attaches (RULES SD)
-                     "spec_mode", "rsplit", "DRAFT_CLASS", "eval", "moe_tp", "ep", "update"}),
+                     "spec_mode", "rsplit", "DRAFT_CLASS", "eval", "moe_tp", "ep", "update", "target"}),
 }
 # The root package imports the stdlib modules below, the runtime and the registry (it routes and launches).
 _ROOT_IMPORTS = frozenset({"importlib", "logging", "pathlib", "sys", "runtime", "registry"})

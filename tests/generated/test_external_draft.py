@@ -77,3 +77,17 @@ def test_a_drafter_with_another_vocabulary_is_refused_where_it_is_declared(tmp_p
         f"{path}:{line}: drafts[0].config.vocab_size: the external drafter tiny_kimi_k3_drafter has vocab_size 1024 and "
         "the target 512: an external drafter shares the target's vocabulary; declare a drafter with the target's tokenizer"
     )
+
+
+def test_a_draft_that_keeps_its_own_folder_is_not_read_from_the_targets(tmp_path):
+    # The external drafter's tensors are not in the target's checkpoint: load_model asks for their folder.
+    import generated
+    from generated import run
+    from registry.errors import SelectionError
+
+    run.write_tiny("tiny_kimi_k3", 90, "tiny_kimi_k3_mxfp4", tmp_path, seed=0)
+    with pytest.raises(SelectionError) as caught:
+        generated.load_model("tiny_kimi_k3", 90, checkpoint=str(tmp_path), checkpoint_name="tiny_kimi_k3_mxfp4",
+                             speculative_config={"mode": "draft_target"}, dtype=torch.float32)
+    assert str(caught.value) == ("the external draft of tiny_kimi_k3 keeps its weights in a folder of its own: "
+                                 "pass draft_checkpoint=DIR to load_model")

@@ -256,6 +256,8 @@ def test_no_implementation_of_the_project_claims_a_gpu_it_has_not_run_on():
         "cupy.mma.grouped_gemm.bf16", "cupy.mma.grouped_gemm.fp8_block_scales", "cupy.mma.grouped_gemm.w4a16_mxfp4",
         "cupy.mma.grouped_gemm.w4a16_nvfp4", "cupy.mma.grouped_gemm.w4a8_mxfp4_fp8", "torch.eager.loop.bf16",
         "torch.grouped_mm.grouped_gemm.bf16", "torch.grouped_mm.grouped_gemm.fp8_block_scales",
+        # the packed 4-bit forward: tests/gpu/test_packed_experts_memory.py and test_experts_torch_gpu.py on an H200
+        "torch.grouped_mm.grouped_gemm.w4a16_mxfp4", "torch.grouped_mm.grouped_gemm.w4a16_nvfp4",
     ]
     packed = {str(i.id): i.weights for i in registry.impls if i.format in ("w4a16_mxfp4", "w4a16_nvfp4")}
     assert packed == {
