@@ -122,7 +122,7 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
     return order.gather(-1, (probs / race).argmax(dim=-1, keepdim=True)).squeeze(-1)
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -183,15 +183,15 @@ class CausalLM(nn.Module):
         sampled (temperature, top-p). Rows that reach `eos_token_id` continue with it; all rows finished
         stops early (single-rank builds only: ranks of a layout must run the same steps). `speculative`
         (draft tokens k, or a `runtime.speculative.Speculation`): decode with a draft (runtime.speculative)."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature} and {top_p}")
         if speculative is not None:
             from runtime import speculative as spec
 
             return spec.generate(self, input_ids, max_new_tokens, speculative, temperature=temperature,
                                  top_p=top_p, eos_token_id=eos_token_id, seed=seed)
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature} and {top_p}")
         batch, seq = input_ids.shape
         decoder = self.decoder(batch, seq + max_new_tokens)
         device = decoder.ids.device
@@ -204,10 +204,10 @@ class CausalLM(nn.Module):
         layout = getattr(self, "layout", None)
         stop_early = eos_token_id is not None and (layout is None or layout.world == 1)
 
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         token = sample(decoder.prefill(ids), temperature, top_p, generator)
-        _sync(device)
+        sync(device)
         prefilled = time.perf_counter()
         finished = torch.zeros(decoder.batch_size, dtype=torch.bool, device=device)
         out, steps = [token], 0
@@ -221,7 +221,7 @@ class CausalLM(nn.Module):
             if eos_token_id is not None:
                 token = torch.where(finished, eos_token_id, token)
             out.append(token)
-        _sync(device)
+        sync(device)
         done = time.perf_counter()
         tokens = torch.cat((input_ids.cpu(), torch.stack(out, dim=1)[:batch].cpu()), dim=1)
         return Generation(tokens, seq, prefilled - start, done - prefilled, steps)

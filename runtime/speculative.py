@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from runtime.decoding import Generation, batch_bucket, length_bucket
+from runtime.decoding import Generation, batch_bucket, length_bucket, sync
 
 log = logging.getLogger("moegen")
 
@@ -114,8 +114,6 @@ class ExternalDrafter:
     def forward(self, next_token_ids, target_hidden, positions, cache, step=0):
         hidden = self.model.hidden_states(next_token_ids, positions + 1, cache)
         return self.model.lm_head(hidden), hidden
-
-    __call__ = forward
 
 
 def _draft_input(draft) -> str:
@@ -377,16 +375,12 @@ def attach_draft(target, draft, note: str | None = None) -> None:
     target.__dict__["draft_note"] = note
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.no_grad()
-def generate(target, input_ids: torch.Tensor, max_new_tokens: int, speculative, *, temperature: float = 0.0,
-             eos_token_id: int | None = None, **plain) -> SpeculativeGeneration:
-    """`target.generate` with a draft: `speculative` is a `Speculation` or the number of draft tokens k
-    (the draft then is `target.draft`). Without a draft, decodes with the target alone and says so."""
+def generate(target, input_ids: torch.Tensor, max_new_tokens: int, speculative, *, temperature: float,
+             top_p: float, eos_token_id: int | None, seed: int) -> SpeculativeGeneration:
+    """`target.generate` with a draft (it has checked the sampling arguments): `speculative` is a
+    `Speculation` or the number of draft tokens k (the draft then is `target.draft`). Without a draft,
+    decodes with the target alone and says so."""
     if not isinstance(speculative, Speculation):
         speculative = Speculation(speculative)
     k = speculative.draft_tokens
@@ -398,39 +392,37 @@ def generate(target, input_ids: torch.Tensor, max_new_tokens: int, speculative, 
             f"{type(target).__name__} was loaded without a draft (no speculative_config.mode): "
             "decoded with the target alone")
         log.warning("%s", note)
-        out = target.generate(input_ids, max_new_tokens, temperature=temperature, eos_token_id=eos_token_id, **plain)
+        out = target.generate(input_ids, max_new_tokens, temperature=temperature, top_p=top_p, eos_token_id=eos_token_id, seed=seed)
         return SpeculativeGeneration(out.tokens, out.prompt_len, out.prefill_s, out.decode_s, out.decode_steps,
                                      note=note)
-    top_p = plain.get("top_p", 1.0)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature} and {top_p}")
     batch, seq = input_ids.shape
     decoder = speculative_decoder(target, draft, k, batch, seq + max_new_tokens, temperature,
                                   top_p if temperature > 0 else 1.0)
     if decoder.generator is not None:
-        decoder.generator.manual_seed(plain.get("seed", 0))
+        decoder.generator.manual_seed(seed)
     device = decoder.tokens.device
     ids = input_ids.to(device)
     if decoder.batch_size > batch:  # pad to the bucket with copies of the last row, dropped at the end
         ids = torch.cat((ids, ids[-1:].expand(decoder.batch_size - batch, seq)))
 
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     out = [decoder.prefill(ids)[:, None]]
-    _sync(device)
+    sync(device)
     prefilled = time.perf_counter()
     made, rounds, accepted = 1, 0, 0
+    finished = out[0][:batch, 0] == eos_token_id if eos_token_id is not None else None
     while made < max_new_tokens:
-        if eos_token_id is not None and bool((torch.cat(out, 1)[:batch] == eos_token_id).any(1).all()):
+        if finished is not None and bool(finished.all()):
             break
         emitted, kept = decoder.round()
         out.append(emitted)
+        if finished is not None:
+            finished |= (emitted[:batch] == eos_token_id).any(1)
         made += kept + 1
         rounds += 1
         accepted += kept
-    _sync(device)
+    sync(device)
     done = time.perf_counter()
     tokens = torch.cat(out, dim=1)[:batch, :max_new_tokens].cpu()
     if eos_token_id is not None:  # rows that reached EOS continue with it, as target-only generate does
