@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, replace
 
 from codegen.plan import index_entry, target_plan
-from registry.declarations import Declaration, TargetDecl, matching_targets, resolve_target
+from registry.declarations import Declaration, TargetDecl, matching_targets
 from registry.model import NON_NEURAL_MODES
 from registry.model_resolve import ANY, ROLE_NAMES, ModelResolution, resolve_model, span
 from registry.resolve import LayerReport

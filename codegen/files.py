@@ -36,10 +36,14 @@ class Output:
         return self.content.encode("utf-8")
 
 
+def printable(text: str) -> str:
+    """`text` with every non-printable character (a line break included) escaped, so it stays on its line."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def python_header(command: str, fingerprint: str, what: str) -> str:
-    # A line break in a comment would end it (a --models path may hold one): escape what cannot print.
-    line = lambda text: "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
-    return f"# {MARKER}\n# Regenerate: {line(command)}\n# Fingerprint: {line(fingerprint)}\n# {line(what)}\n"
+    # A line break in a comment would end it (a --models path may hold one).
+    return f"# {MARKER}\n# Regenerate: {printable(command)}\n# Fingerprint: {printable(fingerprint)}\n# {printable(what)}\n"
 
 
 def normalize(text: str) -> str:

@@ -210,18 +210,18 @@ def model_generation(
         # what `load_model` would refuse.
         decision = decide(index_entry(planned.plan), decl.facts(target.checkpoint), selection or declared, planned.plan.layout)
         if not decision.serves:
-            refusals.append((planned, decision))
+            refusals.append(decision)
         elif not (same and into_repo):
             explored.append(planned.plan)   # a declared build is written with the declared generation below
     if refusals and mode == "require":
-        lines = [_refused(d) for _, d in refusals]
+        lines = [_refused(d) for d in refusals]
         raise NotHonoredError("\n".join(lines) + "\n--mode require: nothing written (RULES TG5)")
     root = out or EXPLORE_ROOT
     extra = ("" if model in project else models_flag(models)) + (_flags(selection) if selection else "")
     would = "would be written" if dry_run else "written"
     if refusals:
         gen.add(root, model_outputs(decl, generic_plan(decl, selection), registry, extra))
-        for _, d in refusals:
+        for d in refusals:
             gen.messages.append(_refused(d))
             gen.messages.append(f"  -> generic build: {root}/{decl.model.name}/generic (resolves each layer when it loads)")
         count = len(refusals)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jinja2
 
-from codegen.files import normalize, python_header
+from codegen.files import normalize, printable, python_header
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
@@ -46,8 +46,7 @@ def py(value) -> str:
 def doc(text) -> str:
     """`text` as it may stand inside a triple-quoted docstring: backslashes, double quotes and any
     non-printable character (a line break included) escaped, so no value can end the docstring (GN4)."""
-    text = str(text).replace("\\", "\\\\").replace('"', '\\"')
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+    return printable(str(text).replace("\\", "\\\\").replace('"', '\\"'))
 
 
 def py_block(value, indent: int = 0, width: int = 110) -> str:

@@ -52,7 +52,7 @@ _ATTRIBUTES = {
                      "exit", "format", "get", "getLogger", "import_module", "init_random", "items", "join", "kind",
                      "load_checkpoint", "log", "main", "module", "reasons", "__name__",
                      # the speculative draft load_model attaches (RULES SD)
-                     "spec_mode", "rsplit", "DRAFT_CLASS", "eval", "moe_tp", "ep", "update", "target"}),
+                     "spec_mode", "DRAFT_CLASS", "eval", "moe_tp", "ep", "update", "target"}),
 }
 # The root package imports the stdlib modules below, the runtime and the registry (it routes and launches).
 _ROOT_IMPORTS = frozenset({"importlib", "logging", "pathlib", "sys", "runtime", "registry"})

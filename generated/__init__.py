@@ -157,9 +157,9 @@ def _load_draft(model, name, sm, parallel, chosen, selection, checkpoint, draft_
         return None, f"speculative_config.mode {mode!r} has no neural draft: decoded with the target alone"
     if chosen.kind == "specialized":
         # The router served this build only because it holds the draft of this mode (RULES TG6).
-        kind = next(t["draft"]["kind"] for t in INDEX["targets"] if t["name"] == chosen.target)
-        draft = importlib.import_module(chosen.module.rsplit(".", 1)[0] + ".draft", __name__).DRAFT_CLASS(
-            device=device, rank=rank, **extra)
+        held = next(t["draft"] for t in INDEX["targets"] if t["name"] == chosen.target)
+        kind = held["kind"]
+        draft = importlib.import_module(held["module"], __name__).DRAFT_CLASS(device=device, rank=rank, **extra)
     else:
         generic = INDEX["models"][model]["generic_draft"]
         if generic is None or mode not in generic["modes"]:

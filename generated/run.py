@@ -61,6 +61,7 @@ def write_tiny(model, sm, checkpoint_name, folder, seed=0):
     tensors of the one-rank specialized build's embedded MTP draft where it has one (the builds that do not run the
     draft ignore them, as they ignore a real checkpoint's MTP layers)."""
     from registry.errors import MoegenError
+    from registry.router import facts_from_literal, matching
     from runtime.checkpoint.writer import random_tensors, save_checkpoint
 
     facts = _facts(model)
@@ -70,12 +71,10 @@ def write_tiny(model, sm, checkpoint_name, folder, seed=0):
     except MoegenError as e:
         raise ValueError(str(e)) from None
     tensors = random_tensors(whole, generic.FAMILY, seed)
-    key = (model, checkpoint_name, sm, "tp1")
-    for target in INDEX["targets"]:
+    for target in matching(INDEX, facts_from_literal(facts.FACTS[checkpoint_name]), sm, "tp1"):
         # Only an embedded MTP keeps its tensors in the target's folder (the other drafts have their own).
-        draft_kind = (target["draft"] or {}).get("kind")
-        if (target["model"], target["checkpoint"], target["sm"], target["parallel"]) == key and draft_kind == "embedded_mtp":
-            draft = importlib.import_module(target["module"].rsplit(".", 1)[0] + ".draft", __package__)
+        if target["draft"] is not None and target["draft"]["kind"] == "embedded_mtp":
+            draft = importlib.import_module(target["draft"]["module"], __package__)
             tensors.update(random_tensors(draft.DRAFT_CLASS(device="meta"), generic.FAMILY, seed + 1))
     return save_checkpoint(tensors, folder, facts.CONFIG)
 
