@@ -7,6 +7,7 @@ ones nobody on this team wrote. Each is written once per test session into a tem
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import importlib
 import json
@@ -312,4 +313,23 @@ def assert_greedy_equal_up_to_ties(model, tokens: torch.Tensor, reference: torch
             logits = model(tokens[row:row + 1, :col].to(device))[0, -1].float()
         top = logits.topk(2).values
         assert top[0] - top[1] <= tol * logits.abs().max(), f"row {row} position {col}: no tie explains it"
+
+
+def greedy_reference(model, prompt: torch.Tensor, n: int) -> torch.Tensor:
+    """`prompt` continued by `n` argmax ids, each from a full forward over everything so far (no cache)."""
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat((ids, model(ids)[:, -1].argmax(-1, keepdim=True)), dim=1)
+    return ids
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Any host sync on CUDA inside the block raises (torch's sync debug mode)."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 

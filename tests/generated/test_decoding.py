@@ -33,14 +33,6 @@ def _model(target: dict, seed: int = 3):
     return model.eval()
 
 
-def _greedy_reference(model, prompt: torch.Tensor, n: int) -> torch.Tensor:
-    ids = prompt
-    with torch.no_grad():
-        for _ in range(n):
-            ids = torch.cat((ids, model(ids)[:, -1].argmax(-1, keepdim=True)), dim=1)
-    return ids
-
-
 @pytest.mark.parametrize("family", sorted(FAMILY_TARGETS))
 def test_decoder_steps_give_the_full_forward_logits(family):
     model = _model(FAMILY_TARGETS[family])
@@ -61,7 +53,7 @@ def test_greedy_generate_is_the_argmax_of_the_full_forward(family):
     prompt = builds.token_ids(model.lm_head.weight.shape[0], batch=3, length=4)  # 3 rows: a bucket of 4
     out = model.generate(prompt, 5)
     # The tiny builds bind TORCH, whose GEMMs run on bf16 operands even in an fp32 build.
-    builds.assert_greedy_equal_up_to_ties(model, out.tokens, _greedy_reference(model, prompt, 5))
+    builds.assert_greedy_equal_up_to_ties(model, out.tokens, builds.greedy_reference(model, prompt, 5))
     assert out.decode_steps == 4 and out.tokens_per_s > 0
     # The same decoder serves the next call (its caches are overwritten from position 0).
     again = model.generate(prompt[:1], 3)
@@ -124,7 +116,7 @@ def test_the_launcher_prints_generated_ids_and_the_rate(capsys):
     from generated import load_model
 
     model = load_model("tiny_qwen3_moe", 90, checkpoint=str(with_tiny)).eval()
-    expected = _greedy_reference(model, torch.tensor([[5, 6, 7]]), 4)[0, 3:].tolist()
+    expected = builds.greedy_reference(model, torch.tensor([[5, 6, 7]]), 4)[0, 3:].tolist()
     assert [int(x) for x in row.groups()] == expected
 
 

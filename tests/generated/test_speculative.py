@@ -56,14 +56,6 @@ def _build(model: str, seed: int):
     return built.eval()
 
 
-def _greedy_reference(model, prompt: torch.Tensor, n: int) -> torch.Tensor:
-    ids = prompt
-    with torch.no_grad():
-        for _ in range(n):
-            ids = torch.cat((ids, model(ids)[:, -1].argmax(-1, keepdim=True)), dim=1)
-    return ids
-
-
 class Recording:
     """A draft that passes every call through and keeps (positions, ids, logits, step) of each."""
 
@@ -127,7 +119,7 @@ def test_mtp_speculative_greedy_is_the_target_greedy(mtp_case, k):
     _, target = mtp_case
     prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=5)
     out = target.generate(prompt, NEW, speculative=k)
-    assert torch.equal(out.tokens, _greedy_reference(target, prompt, NEW))
+    assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
     assert out.note is None and out.proposed == k * out.rounds
     # Every round yields a + 1 tokens: the first token (prefill) plus the rounds' reach the 32, the round
     # before the last did not.
@@ -135,7 +127,7 @@ def test_mtp_speculative_greedy_is_the_target_greedy(mtp_case, k):
     assert out.acceptance_length == pytest.approx((out.accepted + out.rounds) / out.rounds)
     # The same decoder (caches, buffers) serves the next call from position 0.
     again = builds.token_ids(speculative.vocab_size(target), batch=1, length=7)
-    assert torch.equal(target.generate(again, 12, speculative=k).tokens, _greedy_reference(target, again, 12))
+    assert torch.equal(target.generate(again, 12, speculative=k).tokens, builds.greedy_reference(target, again, 12))
 
 
 def test_the_mtp_draft_reads_the_accepted_tokens_and_target_hidden_states(mtp_case):
@@ -172,7 +164,7 @@ def test_a_drafter_with_the_target_weights_is_accepted_k_plus_1_per_step(model, 
     target, twin = _build(model, seed=3), _build(model, seed=3)
     prompt = builds.token_ids(speculative.vocab_size(target), batch=3, length=4)  # 3 rows: a bucket of 4
     out = target.generate(prompt, NEW, speculative=Speculation(k, ExternalDrafter(twin, target)))
-    assert torch.equal(out.tokens, _greedy_reference(target, prompt, NEW))
+    assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
     assert out.rounds == math.ceil((NEW - 1) / (k + 1))
     assert out.accepted == out.proposed == k * out.rounds
     assert out.acceptance_length == k + 1
@@ -183,7 +175,7 @@ def test_a_drafter_of_another_family_gives_the_target_greedy(k):
     target, drafter = _build("tiny_deepseek_v3", seed=3), _build("tiny_qwen3_moe", seed=5)
     prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=4)
     out = target.generate(prompt, NEW, speculative=Speculation(k, ExternalDrafter(drafter, target)))
-    assert torch.equal(out.tokens, _greedy_reference(target, prompt, NEW))
+    assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
     assert out.proposed == k * out.rounds and 1 + out.rounds + out.accepted >= NEW
 
 
@@ -195,7 +187,7 @@ def test_a_drafter_wrong_on_purpose_is_rolled_back(k, wrong, per_round):
     target, twin = _build("tiny_qwen3_moe", seed=3), _build("tiny_qwen3_moe", seed=3)
     prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=4)
     out = target.generate(prompt, NEW, speculative=Speculation(k, WrongAt(twin, target, wrong, row=0)))
-    assert torch.equal(out.tokens, _greedy_reference(target, prompt, NEW))
+    assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
     assert out.rounds == math.ceil((NEW - 1) / (per_round + 1))
     assert out.accepted == per_round * out.rounds and out.proposed == k * out.rounds
 
@@ -230,7 +222,7 @@ def test_an_aux_hidden_draft_reads_the_listed_layers_and_maps_its_vocabulary(tem
     k = 3
     out = target.generate(prompt, NEW, temperature=temperature, seed=2, speculative=Speculation(k, draft))
     if temperature == 0.0:
-        assert torch.equal(out.tokens, _greedy_reference(target, prompt, NEW))
+        assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
         assert out.accepted == out.proposed
     else:  # the draft's probabilities reach the target vocabulary through the map: p == q, all accepted
         assert out.accepted >= 0.95 * out.proposed
@@ -272,7 +264,7 @@ def test_without_a_draft_it_decodes_with_the_target_and_says_so():
     out = target.generate(prompt, 6, speculative=2)
     assert out.note == "speculative_config.mode 'ngram' has no neural draft: decoded with the target alone"
     assert out.report() == out.note and out.rounds == 0
-    assert torch.equal(out.tokens, _greedy_reference(target, prompt, 6))
+    assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, 6))
     plain = _build("tiny_qwen3_moe", seed=3)
     assert plain.generate(prompt, 3, speculative=2).note == (
         f"{type(plain).__name__} was loaded without a draft (no speculative_config.mode): decoded with the target alone")
@@ -282,7 +274,7 @@ def test_without_a_draft_it_decodes_with_the_target_and_says_so():
     assert generic.draft is not None and type(generic.draft).__module__ == "generated.tiny_deepseek_v3.generic.draft"
     out = generic.generate(prompt, 8, speculative=2)
     assert out.note is None and out.proposed == 2 * out.rounds
-    builds.assert_greedy_equal_up_to_ties(generic, out.tokens, _greedy_reference(generic, prompt, 8))
+    builds.assert_greedy_equal_up_to_ties(generic, out.tokens, builds.greedy_reference(generic, prompt, 8))
     # A generic build without a draft for the mode decodes with the target alone and says so.
     eagle = load_model("tiny_qwen3_moe", 90, mode="off", speculative_config={"mode": "eagle3"}, dtype=torch.float32).eval()
     assert eagle.draft is None
@@ -294,7 +286,7 @@ def test_rows_that_reach_eos_continue_with_it_and_decoding_stops_early():
     target, twin = _build("tiny_qwen3_moe", seed=3), _build("tiny_qwen3_moe", seed=3)
     prompt = builds.token_ids(speculative.vocab_size(target), batch=1, length=4)
     spec = Speculation(3, ExternalDrafter(twin, target))
-    greedy = _greedy_reference(target, prompt, NEW)[0, 4:]
+    greedy = builds.greedy_reference(target, prompt, NEW)[0, 4:]
     eos = int(greedy[5])
     first = int((greedy == eos).nonzero()[0])
     out = target.generate(prompt, NEW, eos_token_id=eos, speculative=spec)
@@ -399,7 +391,7 @@ def test_the_launcher_decodes_with_the_mtp_draft_and_reports_acceptance(capsys):
     model = load_model("tiny_deepseek_v3", 90, checkpoint=str(folder), checkpoint_name="tiny_deepseek_v3_bf16",
                        speculative_config={"mode": "mtp"}).eval()
     assert model.draft is not None
-    expected = _greedy_reference(model, torch.tensor([[5, 6, 7]]), 8)[0, 3:].tolist()
+    expected = builds.greedy_reference(model, torch.tensor([[5, 6, 7]]), 8)[0, 3:].tolist()
     assert [int(x) for x in row.groups()] == expected
 
 

@@ -9,7 +9,6 @@ weights from the build's own `init_random`; the oracle is the build's uncached f
 """
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -26,15 +25,6 @@ for _model in builds.tiny_models():
             SPECIALIZED.setdefault(builds.facts(_model).FAMILY, _t)
             break
 GENERIC = [m for m in builds.tiny_models() if any(t["sm"] == 90 for t in builds.specialized(m))]
-
-
-@contextlib.contextmanager
-def no_host_sync():
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def _specialized(family, dtype):
@@ -55,7 +45,7 @@ def _check_decoding(model, tolerance):
     ids = builds.token_ids(vocab, batch=2, length=12).cuda()
     with torch.no_grad():
         model(ids)  # warm-up: lazy index tables, kernel compilation
-        with no_host_sync():
+        with builds.no_host_sync():
             full = model(ids)
     graphed, eager = model.decoder(2, 12), Decoder(model, 2, 256)
     for d in (graphed, eager):
@@ -64,7 +54,7 @@ def _check_decoding(model, tolerance):
     eager.ids.copy_(ids[:, 6:7])
     eager._step()
     steps = []
-    with no_host_sync():  # comparisons read values back: they run after the steps
+    with builds.no_host_sync():  # comparisons read values back: they run after the steps
         for t in range(7, 12):
             replayed = graphed.step(ids[:, t]).clone()
             eager.ids.copy_(ids[:, t : t + 1])
@@ -93,9 +83,5 @@ def test_greedy_generate_on_the_gpu_is_the_argmax_of_the_full_forward(family):
     model = _specialized(family, torch.float32)
     prompt = builds.token_ids(model.lm_head.weight.shape[0], batch=3, length=5).cuda()
     out = model.generate(prompt, 6)
-    ids = prompt
-    with torch.no_grad():
-        for _ in range(6):
-            ids = torch.cat((ids, model(ids)[:, -1].argmax(-1, keepdim=True)), dim=1)
-    assert torch.equal(out.tokens, ids.cpu())
+    assert torch.equal(out.tokens, builds.greedy_reference(model, prompt, 6).cpu())
     assert out.tokens_per_s > 0

@@ -6,7 +6,6 @@ Random weights from each draft's own `init_random`; random target states where t
 """
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -20,15 +19,6 @@ DRAFTS = {
     "external": "generated.tiny_kimi_k3.tiny_kimi_k3_mxfp4__sm_90__tp1.draft",
     "eagle3": "generated.tiny_qwen3_moe.tiny_qwen3_moe_bf16__sm_120__tp1.draft",
 }
-
-
-@contextlib.contextmanager
-def no_host_sync():
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def _draft(kind, monkeypatch):
@@ -80,7 +70,7 @@ def test_a_draft_step_replays_as_a_cuda_graph(kind, monkeypatch):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             graphed, _ = draft(step_ids, step_states, step_pos, caches)
-        with no_host_sync():
+        with builds.no_host_sync():
             graph.replay()
             eager, _ = draft(step_ids, step_states, step_pos, eager_caches)
         torch.cuda.synchronize()

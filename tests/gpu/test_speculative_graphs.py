@@ -8,7 +8,6 @@ Builds: tiny specialized builds (TORCH experts), random weights from their `init
 """
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -17,15 +16,6 @@ from runtime.speculative import ExternalDrafter, Speculation, SpeculativeDecoder
 from tests.generated import builds
 
 pytestmark = pytest.mark.gpu
-
-
-@contextlib.contextmanager
-def no_host_sync():
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 def _build(model: str, dtype, seed=4):
@@ -55,7 +45,7 @@ def test_graph_replayed_rounds_equal_eager_rounds_without_host_syncs(model, k):
     assert set(graphed.graphs) == {"draft", "verify"}
     for _ in range(6):
         assert all(torch.equal(a, b) for a, b in zip(_state(graphed), _state(eager)))
-        with no_host_sync():
+        with builds.no_host_sync():
             graphed._run("draft", graphed._draft_phase)
             graphed._run("verify", graphed._verify_phase)
             eager._draft_phase()
