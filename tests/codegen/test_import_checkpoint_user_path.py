@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,14 +17,7 @@ import pytest
 import torch
 
 from runtime.build import PlacementError
-from tests.codegen.helpers import ROOT
 from tests.generated import builds
-
-
-def codegen(*args) -> str:
-    done = subprocess.run([sys.executable, "-m", "codegen", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +56,7 @@ def test_a_mixtral_with_null_head_dim_imports_generates_and_loads_on_the_cpu_wit
     written = json.loads((saved / "config.json").read_text())
     assert written["head_dim"] is None and written["sliding_window"] is None   # what transformers writes
     declaration = tmp_path / "mymodels" / "mine.toml"
-    assert codegen("import-checkpoint", saved, "--out", declaration) == f"wrote {declaration}: layers 0-1: bf16\n"
+    assert builds.codegen_cli("import-checkpoint", saved, "--out", declaration) == f"wrote {declaration}: layers 0-1: bf16\n"
     text = declaration.read_text()
     # The suggested target, uncommented as the README says to add it.
     suggested = text[text.index("# [[targets]]"):]
@@ -74,7 +66,7 @@ def test_a_mixtral_with_null_head_dim_imports_generates_and_loads_on_the_cpu_wit
     )
     declaration.write_text(text + re.sub(r"(?m)^# ", "", suggested))
     out = tmp_path / "out" / "userbuilds"
-    codegen("generate", "--models", declaration.parent, "--model", "mine", "--sm", "90", "--parallel", "tp1", "--out", out)
+    builds.codegen_cli("generate", "--models", declaration.parent, "--model", "mine", "--sm", "90", "--parallel", "tp1", "--out", out)
     header = (out / "mine" / "mine__sm_90__tp1" / "modeling.py").read_text().splitlines()[1]
     assert header == f"# Regenerate: python -m codegen generate --model mine --sm 90 --parallel tp1 --models {declaration.parent}"
 
@@ -102,10 +94,10 @@ moe_impls_honored = ["cupy.mma.grouped_gemm.bf16"]
 
 def test_a_build_refused_on_the_cpu_names_the_package_it_was_loaded_from(saved, tmp_path, forget):
     declaration = tmp_path / "models" / "gpu.toml"
-    codegen("import-checkpoint", saved, "--out", declaration)
+    builds.codegen_cli("import-checkpoint", saved, "--out", declaration)
     declaration.write_text(declaration.read_text() + GPU_TARGET)
     out = tmp_path / "out" / "gpubuilds"
-    codegen("generate", "--models", declaration.parent, "--model", "gpu", "--sm", "90", "--parallel", "tp1", "--out", out)
+    builds.codegen_cli("generate", "--models", declaration.parent, "--model", "gpu", "--sm", "90", "--parallel", "tp1", "--out", out)
     module = _import_package(out, "gpubuilds.gpu.gpu__sm_90__tp1.modeling")
     with pytest.raises(PlacementError) as refused:
         module.MODEL_CLASS(device="cpu")

@@ -12,6 +12,8 @@ import functools
 import importlib
 import json
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -332,4 +334,11 @@ def no_host_sync():
         yield
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def codegen_cli(*args) -> str:
+    """`python -m codegen ARGS` in a fresh process from the repository root, as a user runs it; its stdout."""
+    done = subprocess.run([sys.executable, "-m", "codegen", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 

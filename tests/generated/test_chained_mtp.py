@@ -8,7 +8,6 @@ there: the draft's TORCH experts round GEMM inputs to bf16, relative L2 error <=
 from __future__ import annotations
 
 import importlib
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,9 +31,8 @@ def case():
     (work / "models").mkdir()
     (work / "models" / "chained.toml").write_text(text, encoding="utf-8")
     out = work / "out" / "chainedbuilds"
-    done = subprocess.run([sys.executable, "-m", "codegen", "generate", "--models", str(work / "models"), "--model", "chained",
-                           "--sm", "90", "--parallel", "tp1", "--out", str(out)], cwd=builds.ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    builds.codegen_cli("generate", "--models", str(work / "models"), "--model", "chained",
+                           "--sm", "90", "--parallel", "tp1", "--out", str(out))
     folder = builds.with_mtp_layers(builds.transformers_checkpoint("tiny_deepseek_v3"), work / "ckpt", 2, seed=7)
     sys.path.insert(0, str(out.parent))
     try:

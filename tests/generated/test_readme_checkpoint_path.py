@@ -14,7 +14,6 @@ text; the package is generated once per family from that declaration.
 from __future__ import annotations
 
 import importlib
-import subprocess
 import sys
 from pathlib import Path
 
@@ -33,12 +32,6 @@ sm = 90
 parallel = "tp1"
 moe_impls_honored = ["torch.eager.loop.bf16"]
 """
-
-
-def _codegen(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "codegen", *args], cwd=builds.ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
 
 
 def _save(model: torch.nn.Module, folder: Path, sharded: bool) -> None:
@@ -73,7 +66,7 @@ def family_package(request):
     declarations = {}
     for save, folder in folders.items():
         out = work / save / "mymodels" / "mine.toml"
-        assert _codegen("import-checkpoint", str(folder), "--name", "mine", "--out", str(out)).startswith(f"wrote {out}: ")
+        assert builds.codegen_cli("import-checkpoint", str(folder), "--name", "mine", "--out", str(out)).startswith(f"wrote {out}: ")
         declarations[save] = out.read_text()
     assert len(set(declarations.values())) == 1, "the four saves of one model import differently"
 
@@ -82,7 +75,7 @@ def family_package(request):
     (mymodels / "mine.toml").write_text(declarations["fp32"] + TARGET)
     package = f"mybuilds_{family}"
     out = work / "out" / package
-    _codegen("generate", "--models", str(mymodels), "--model", "mine", "--sm", "90", "--parallel", "tp1", "--out", str(out))
+    builds.codegen_cli("generate", "--models", str(mymodels), "--model", "mine", "--sm", "90", "--parallel", "tp1", "--out", str(out))
     sys.path.insert(0, str(out.parent))
     try:
         yield family, folders, package

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -55,9 +54,8 @@ def case():
     (work / "models").mkdir()
     (work / "models" / "replaced.toml").write_text(_declaration(), encoding="utf-8")
     out = work / "out" / "replacedbuilds"
-    done = subprocess.run([sys.executable, "-m", "codegen", "generate", "--models", str(work / "models"), "--model", "replaced",
-                           "--sm", "90", "--parallel", "tp1", "--out", str(out)], cwd=builds.ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    builds.codegen_cli("generate", "--models", str(work / "models"), "--model", "replaced",
+                           "--sm", "90", "--parallel", "tp1", "--out", str(out))
     full = builds.with_mtp_layers(builds.transformers_checkpoint("tiny_deepseek_v3"), work / "full", 1, seed=5)
     tensors = builds.read_tensors(full)
     head, dequantized = {}, {}

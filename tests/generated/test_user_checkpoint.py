@@ -29,12 +29,6 @@ moe_impls_honored = "*"
 """
 
 
-def _codegen(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "codegen", *args], cwd=builds.ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
 @pytest.fixture(scope="module")
 def user_checkpoint():
     """A Qwen3-MoE saved by transformers, layer 1 dense (mlp_only_layers), biased attention."""
@@ -56,11 +50,11 @@ def user_checkpoint():
 def test_a_users_checkpoint_is_imported_generated_and_loaded_with_transformers_logits(user_checkpoint):
     work = Path(tempfile.mkdtemp(dir=builds.tmp_folder("")))
     declaration = work / "models" / "m.toml"
-    assert _codegen("import-checkpoint", str(user_checkpoint), "--out", str(declaration)) == (
+    assert builds.codegen_cli("import-checkpoint", str(user_checkpoint), "--out", str(declaration)) == (
         f"wrote {declaration}: layers 0, 2: bf16\n")
     declaration.write_text(declaration.read_text() + TARGET)
     out = work / "out" / "userbuilds"
-    _codegen("generate", "--models", str(declaration.parent), "--model", "m", "--sm", "90", "--parallel", "tp1", "--out", str(out))
+    builds.codegen_cli("generate", "--models", str(declaration.parent), "--model", "m", "--sm", "90", "--parallel", "tp1", "--out", str(out))
 
     sys.path.insert(0, str(out.parent))
     try:
