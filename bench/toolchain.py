@@ -76,8 +76,7 @@ def check_times(runs: int, root: Path | None = None) -> tuple[list[float], int]:
 
 def clean_copy(folder: Path) -> Path:
     """The declared tree rendered into `folder` (generated/, docs/, schemas/), as `generate --all` would."""
-    from codegen.files import write_outputs
-    from codegen.generate import declared_generation, project_models
+    from codegen.generate import declared_generation, project_models, write_outputs
     from registry.declarations import load_models
     from registry.impls import load_registry
 

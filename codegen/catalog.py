@@ -5,7 +5,7 @@ from __future__ import annotations
 from registry.impls import AUTO, Registry
 from registry.tactics import shortest_query
 
-from codegen.files import MARKER
+from codegen.headers import MARKER
 
 PATH = "docs/moe_impl_catalog.md"
 COMMAND = "python -m codegen catalog"

@@ -109,8 +109,8 @@ def cmd_check(args) -> int:
 
 def cmd_catalog(args) -> int:
     from codegen.catalog import PATH, render_catalog
-    from codegen.files import Output, write_outputs
-    from codegen.generate import ROOT
+    from codegen.files import Output
+    from codegen.generate import ROOT, write_outputs
     from registry.impls import load_registry
 
     for path in write_outputs([Output(PATH, render_catalog(load_registry()))], ROOT):
@@ -119,8 +119,8 @@ def cmd_catalog(args) -> int:
 
 
 def cmd_schema(args) -> int:
-    from codegen.files import Output, write_outputs
-    from codegen.generate import ROOT
+    from codegen.files import Output
+    from codegen.generate import ROOT, write_outputs
     from codegen.schema import PATH, render_schema
     from registry.impls import load_registry
 

@@ -16,9 +16,10 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from codegen.files import Output, changed, check_outputs, orphans, remove_orphans, remove_stale_temps, verify_outputs, write_verified
+from codegen.files import Output, changed, check_outputs, orphans, remove_orphans, remove_stale_temps, write_verified
 from codegen.outputs import ALL_COMMAND, build_outputs, docs_outputs, generic_draft_modes, index_outputs, model_outputs
 from codegen.plan import BuildPlan, generic_plan, index_entry, target_plan
+from codegen.verify import verify_outputs
 from registry.declarations import MODELS_DIR, Declaration, TargetDecl, find_model, matching_targets
 from registry.errors import DeclarationError, NotHonoredError, SelectionError
 from registry.families import RUNTIME_FAMILIES
@@ -266,6 +267,18 @@ def all_generation(decls: dict[str, Declaration], registry: Registry, out: str |
     return gen
 
 
+def write_outputs(outputs: list[Output], root: Path) -> list[str]:
+    """Verify, then write each output whose bytes differ from what is on disk; return the paths written.
+
+    Everything is verified before anything is written, so a broken template leaves the tree as it was.
+    """
+    pending = changed(outputs, root)
+    verify_outputs(pending)
+    for folder in sorted({(root / o.path).parent for o in outputs}):
+        remove_stale_temps(folder, recursive=False)
+    return write_verified(pending, root)
+
+
 def apply(gen: Generation, dry_run: bool, base: Path | None = None) -> list[str]:
     """Verify everything that would change, then write it (or, with --dry-run, say what would change).
 
@@ -312,6 +325,7 @@ def check(decls: dict[str, Declaration], registry: Registry | None = None, base:
     for root, outputs in gen.roots.items():
         prefix = "" if root == DOCS_ROOT else f"{root}/"
         drift = check_outputs(outputs, base / root, scan_orphans=root != DOCS_ROOT, label=prefix)
+        verify_outputs(drift.pending)   # what generate would write is verified as generate would (GN1, GN4)
         found["missing"] += [prefix + p for p in drift.missing]
         found["stale"] += [prefix + p for p in drift.stale]
         found["linked"] += [prefix + p for p in drift.linked]

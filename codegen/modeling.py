@@ -39,7 +39,7 @@ def _experts_spec(decl: Declaration, c: dict) -> str:
     inlined = (c["hidden_size"], c[intermediate_key], c[experts_key], c["num_experts_per_tok"])
     resolved = (shape.hidden_size, shape.intermediate_size, shape.num_experts, shape.top_k)
     if inlined != resolved:
-        from codegen.files import GenerationError
+        from codegen.errors import GenerationError
 
         raise GenerationError(f"{decl.model.name}: the experts shape {resolved} the registry resolved differs from the constants {inlined}")
     args = f"activation={shape.activation!r}, expert_bias={shape.expert_bias}"
@@ -185,7 +185,7 @@ def render_draft(decl: Declaration, plan: BuildPlan, registry: Registry, command
     if draft.kind == "eagle3":
         return _render_eagle3(decl, plan, command)
     if draft.kind == "embedded_mtp" and decl.family.name == "minimax_m2":
-        from codegen.files import GenerationError
+        from codegen.errors import GenerationError
 
         # MiniMax-AI/MiniMax-M2 issue #47, MiniMax-M2.7 issue #16 (0 of ~1369 tensors match mtp.*), MiniMax-M2.5
         # issue #8: the configs declare num_mtp_modules, the published checkpoints carry no MTP weights.
@@ -194,7 +194,7 @@ def render_draft(decl: Declaration, plan: BuildPlan, registry: Registry, command
             f"notwithstanding), so {draft.name} has nothing to load; declare an eagle3 or external draft for this model"
         )
     if draft.kind not in ("embedded_mtp", "replacement_mtp") or decl.family.name not in ("deepseek_v3", "glm4_moe"):
-        from codegen.files import GenerationError
+        from codegen.errors import GenerationError
 
         raise GenerationError(
             f"{plan.target}: the runtime builds embedded and replacement-head MTP drafts of deepseek_v3 and glm4_moe, external drafters and Eagle3 heads; "
@@ -220,7 +220,7 @@ def _drafter(decl: Declaration, plan: BuildPlan) -> tuple[Declaration, BuildPlan
     the target's SM and layout, the draft layers' bindings, the target's honored draft ids as its honored set."""
     from dataclasses import replace
 
-    from codegen.files import GenerationError
+    from codegen.errors import GenerationError
     from codegen.plan import LayerPlan, camel
     from registry.families import FAMILIES
 

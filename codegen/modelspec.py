@@ -72,7 +72,7 @@ def normalize(family: str, config: dict, source: str = "the declaration") -> dic
 
     `config` is typed again here (a declaration's already is; a config.json read by import-checkpoint
     is not yet): nothing below reads a value of the wrong type or range."""
-    from codegen.files import GenerationError
+    from codegen.errors import GenerationError
     from registry.declarations import field_path
 
     try:

@@ -4,7 +4,7 @@ Every value that reaches generated code goes through the `py` filter (a Python l
 dict keys sorted), so no string from a declaration is ever pasted into code unquoted (names are also
 checked as identifier-safe tokens when declarations load); text inside a docstring goes through `doc`,
 which no value can end. Rendered Python is parsed and its claims
-checked by `codegen.files` before it is written (RULES GN1, GN4), not here: what `check` finds
+checked by `codegen.verify` before it is written (RULES GN1, GN4), not here: what `check` finds
 unchanged on disk was verified when it was written.
 """
 
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import jinja2
 
-from codegen.files import normalize, printable, python_header
+from codegen.errors import GenerationError
+from codegen.headers import normalize, printable, python_header
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
@@ -86,7 +87,5 @@ def render_python(template: str, path: str, command: str, fingerprint: str, what
     try:
         text = environment().get_template(template).render(header=header, **context)
     except jinja2.UndefinedError as exc:
-        from codegen.files import GenerationError
-
         raise GenerationError(f"{path}: template {template} uses an undefined value: {exc.message} (RULES GN4)") from None
     return normalize(text)

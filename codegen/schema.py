@@ -18,7 +18,7 @@ from registry.identity import FIELDS
 from registry.impls import AUTO, Impl, Registry
 from registry.model import SPEC_MODES
 
-from codegen.files import MARKER
+from codegen.headers import MARKER
 
 PATH = "schemas/deploy-config.schema.json"
 COMMAND = "python -m codegen schema"

@@ -15,7 +15,7 @@ import ast
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from codegen.files import GenerationError
+from codegen.errors import GenerationError
 
 SPECIALIZED, DRAFT, GENERIC = "specialized", "draft", "generic"
 DATA, ROOT = "data", "root"   # constants only (facts, router index, package docstrings); the root package's code
@@ -123,6 +123,14 @@ def _experts(ids, registry) -> dict:
         impl = registry.impl(impl_id)
         modules.setdefault(impl.module, set()).add(impl.class_name)
     return {m: frozenset(n) for m, n in modules.items()}
+
+
+def verify_outputs(outputs) -> None:
+    """Parse every Python output (a `codegen.files.Output`) and check its claims (GN1, GN4); the first
+    violation raises. A Python output that declares no claims is held to the strictest: constants only."""
+    for out in outputs:
+        if out.path.endswith(".py"):
+            verify_python(out.path, out.content, out.claims or DATA_CLAIMS)
 
 
 def verify_python(path: str, text: str, claims: Claims | None = None) -> None:

@@ -15,7 +15,10 @@ import sys
 import pytest
 
 from codegen import files as files_module
-from codegen.files import MARKER, GenerationError, Output, write_outputs
+from codegen.errors import GenerationError
+from codegen.files import Output
+from codegen.generate import write_outputs
+from codegen.headers import MARKER
 from codegen.generate import check, declared_generation
 from tests.codegen.helpers import ROOT, cli, files, snapshot, write_models
 

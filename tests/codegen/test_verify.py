@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from codegen.files import GenerationError
+from codegen.errors import GenerationError
 from codegen.modeling import render_draft, render_generic, render_modeling
 from codegen.verify import DATA_CLAIMS, GENERIC_CLAIMS, claims_for_draft, claims_for_modeling, verify_python, verify_tree
 from tests.codegen.helpers import ROOT
