@@ -149,7 +149,8 @@ def load_build(model: str, sm: int, layers: int, folder: Path, variant: str, dev
         if target["model"] == model:
             module = importlib.import_module("generated" + target["module"])
             saved[module] = module.LAYERS
-            module.LAYERS = module.LAYERS[:layers]
+            # The layer plan's runs, cut after the first `layers` layers.
+            module.LAYERS = tuple((range(r.start, min(r.stop, layers)), i) for r, i in module.LAYERS if r.start < layers)
     try:
         kwargs = {"specialized": dict(mode="require"), "generic": dict(mode="off"),
                   "torch": dict(mode="off", moe_config={"backend": "TORCH"})}[variant]

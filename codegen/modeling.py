@@ -13,7 +13,7 @@ from registry.declarations import Declaration
 from registry.impls import Registry
 from registry.model_resolve import ROLE_NAMES, span
 
-_OPS = ("LMHead", "MoEBlock", "RMSNorm", "RotaryEmbedding", "VocabEmbedding")
+_OPS = ("MoEBlock", "RMSNorm", "RotaryEmbedding")  # embedding and head: runtime.causal_lm builds them
 _ATTENTION = {"deepseek_v3": ("MLAttention", "mla_softmax_scale")}  # every other family: GQAttention
 _SHARED_EXPERTS = ("deepseek_v3", "glm4_moe")  # a shared-experts MLP in every MoE block
 _ROUTER = {

@@ -1,7 +1,9 @@
 """Build plans: a target and a selection become everything a generated build needs, as plain data.
 
-A plan is what templates read and what the fingerprint hashes: its canonical JSON (sorted keys, the
-selection in canonical form) changes exactly when the generated code would (RULES GN2). Equivalent
+A plan is what templates read and what fingerprints hash (RULES GN2): each generated file's fingerprint
+covers what its text is rendered from (`BuildPlan.fingerprint`: the build's Python files, which read the
+plan's decisions but not the alternatives and rejections only `resolution.json` lists), so an
+implementation added elsewhere in the registry leaves the bytes of a build that does not bind it alone. Equivalent
 spellings of a tactic give equal plans: a tactic is re-spelled canonically before it is resolved,
 so even the messages a plan records (warnings, refusals) read the same whatever the user typed.
 """
@@ -14,6 +16,7 @@ import json
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 
 from registry.declarations import Declaration, TargetDecl, resolve_target
+from registry.impls import Registry, load_registry
 from registry.model import NON_NEURAL_MODES
 from registry.model_resolve import ANY, ModelResolution
 from registry.resolve import moe_impl_request
@@ -29,6 +32,27 @@ class LayerPlan:
     class_path: str | None = None
     run_format: str | None = None
     role: str | None = None      # "target" | "excluded" | "draft"
+
+
+@dataclass(frozen=True)
+class LayerRun:
+    """Consecutive decoder layers that bind the same implementation in the same role: one line of `LAYERS`."""
+    start: int
+    stop: int                    # exclusive, as range() takes it
+    impl: str | None
+    role: str | None
+
+
+def layer_runs(layers: tuple[LayerPlan, ...]) -> tuple[LayerRun, ...]:
+    """The layer table as `modeling.py` writes it: a run per stretch of equal (implementation, role)."""
+    runs: list[LayerRun] = []
+    for layer in layers:
+        last = runs[-1] if runs else None
+        if last is not None and (last.impl, last.role) == (layer.impl, layer.role) and last.stop == layer.index:
+            runs[-1] = replace(last, stop=layer.index + 1)
+        else:
+            runs.append(LayerRun(layer.index, layer.index + 1, layer.impl, layer.role))
+    return tuple(runs)
 
 
 @dataclass(frozen=True)
@@ -59,14 +83,25 @@ class BuildPlan:
     resolution: dict
     bound: tuple = ()
     facts: dict = field(default_factory=dict)   # generic builds: facts per checkpoint
+    # What a build's files read of each bound implementation's registry entry: id -> (class, backend family, runs on the CPU).
+    bindings: dict = field(default_factory=dict)
 
     def canonical(self) -> str:
         return json.dumps(self, sort_keys=True, separators=(",", ":"), default=_plain)
 
+    def code_inputs(self) -> dict:
+        """What the build's Python files (modeling.py, draft.py) are rendered from: the plan with each layer
+        kind's report reduced to its decision. The alternatives and rejections, which an implementation
+        registered for the same layers changes, are `resolution.json`'s alone; the facts are `facts.py`'s."""
+        inputs = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("resolution", "facts")}
+        inputs["decisions"] = [{k: v for k, v in r.items() if k not in ("alternatives", "rejections")}
+                               for r in self.resolution.get("layers", [])]
+        return inputs
+
     @functools.cached_property
     def fingerprint(self) -> str:
-        # Cached: every file of a build carries it, and hashing the plan is most of planning's cost.
-        return "sha256:" + hashlib.sha256(self.canonical().encode("utf-8")).hexdigest()
+        """The fingerprint of the build's Python files (cached: each file of a build carries it)."""
+        return fingerprint(self.code_inputs())
 
     @property
     def bound_ids(self) -> tuple[str, ...]:
@@ -79,6 +114,12 @@ class BuildPlan:
         if self.draft:
             paths |= {l.class_path for l in self.draft.layers if l.class_path}
         return tuple(sorted(paths))
+
+
+def fingerprint(*parts) -> str:
+    """sha256 of the canonical JSON of `parts`: what a file's header states its text was rendered from."""
+    text = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=_plain)
+    return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def _plain(value):
@@ -153,10 +194,13 @@ def _draft_plan(decl: Declaration, selection: Selection, resolution: ModelResolu
     return DraftPlan(draft.name, draft.kind, mode, config, layers)
 
 
-def target_plan(decl: Declaration, target: TargetDecl, selection: Selection | None = None) -> tuple[BuildPlan, ModelResolution]:
-    """The plan of one target under `selection` (default: its declared selection)."""
+def target_plan(decl: Declaration, target: TargetDecl, selection: Selection | None = None,
+                registry: Registry | None = None) -> tuple[BuildPlan, ModelResolution]:
+    """The plan of one target under `selection` (default: its declared selection), resolved on `registry`
+    (default: the project's)."""
+    registry = registry or load_registry()
     selection = canonical_spelling(check_selection(selection or target.selection.selection()))
-    resolution = resolve_target(decl, target, selection)
+    resolution = resolve_target(decl, target, selection, registry)
     layout = decl.layout(target.parallel)
     plan = BuildPlan(
         model=decl.model.name,
@@ -175,6 +219,8 @@ def target_plan(decl: Declaration, target: TargetDecl, selection: Selection | No
         draft_moe_impls_honored=_honored_literal(target.draft_moe_impls_honored),
         resolution=resolution_dict(resolution),
         bound=tuple(bound_layers(resolution)),
+        bindings={i: (registry.impl(i).class_path, registry.impl(i).family, registry.impl(i).cpu)
+                  for i in sorted({r.winner for r in resolution.reports if r.winner})},
     )
     return plan, resolution
 

@@ -18,6 +18,7 @@ import jinja2
 
 from codegen.errors import GenerationError
 from codegen.headers import normalize, printable, python_header
+from codegen.plan import layer_runs
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
@@ -78,10 +79,11 @@ def environment() -> jinja2.Environment:
     env.filters["py"] = py
     env.filters["py_block"] = py_block
     env.filters["doc"] = doc
+    env.filters["layer_runs"] = layer_runs
     return env
 
 
-def render_python(template: str, path: str, command: str, fingerprint: str, what: str, **context) -> str:
+def render_python(template: str, path: str, command: str, fingerprint: str | None, what: str, **context) -> str:
     """Render a Python template with the generated header and normalize it (GN2); `path` names it in errors."""
     header = python_header(command, fingerprint, what)
     try:

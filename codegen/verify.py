@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from codegen.errors import GenerationError
+from codegen.plan import layer_runs
 
 SPECIALIZED, DRAFT, GENERIC = "specialized", "draft", "generic"
 DATA, ROOT = "data", "root"   # constants only (facts, router index, package docstrings); the root package's code
@@ -29,7 +30,7 @@ _BUILTINS = {
     DRAFT: _MODEL_BUILTINS,
     GENERIC: _MODEL_BUILTINS,
     DATA: frozenset({"True", "False", "None", "float"}),   # float('nan') and float('inf'): codegen.render.py
-    ROOT: _MODEL_BUILTINS | {"bool", "dict", "list", "sorted", "isinstance", "getattr", "next", "__name__", "__package__"},
+    ROOT: frozenset({"True", "False", "None", "__name__", "__package__"}),
 }
 _MODEL_ATTRIBUTES = frozenset({
     # torch and torch.nn
@@ -48,14 +49,11 @@ _ATTRIBUTES = {
     DRAFT: _MODEL_ATTRIBUTES,
     GENERIC: _MODEL_ATTRIBUTES,
     DATA: frozenset(),
-    ROOT: frozenset({"CONFIG", "FACTS", "FAMILY", "PROFILES", "QUANT", "MODEL_CLASS", "INFO", "WARNING", "RunTarget", "as_tuple",
-                     "exit", "format", "get", "getLogger", "import_module", "init_random", "items", "join", "kind",
-                     "load_checkpoint", "log", "main", "module", "reasons", "__name__",
-                     # the speculative draft load_model attaches (RULES SD)
-                     "spec_mode", "DRAFT_CLASS", "eval", "moe_tp", "ep", "update", "target"}),
+    # The root's shims: what they take from serving.load.Builds and serving.run.Launcher, and sys.exit.
+    ROOT: frozenset({"load_model", "describe", "write_tiny", "main", "preload", "exit"}),
 }
-# The root package imports the stdlib modules below, the runtime and the registry (it routes and launches).
-_ROOT_IMPORTS = frozenset({"importlib", "logging", "pathlib", "sys", "runtime", "registry"})
+# The root package's shims import `sys` and `serving` (which routes through the registry and launches the runtime).
+_ROOT_IMPORTS = frozenset({"sys", "serving"})
 
 # Calls that would load a class by name at run time, and so undo the pre-binding of a specialized build.
 _DYNAMIC_LOADERS = ("__import__", "import_module", "load_class")
@@ -70,7 +68,8 @@ class Claims:
     `honored`/`draft_honored` are the literals `MOE_IMPLS_HONORED`/`DRAFT_MOE_IMPLS_HONORED` must hold;
     `implementations` maps each bound id to (experts class name, family); `experts` maps each bound
     class's module to the class names the file must import from it, and nothing else from
-    `runtime.experts`; `layers` is `LAYERS` (modeling.py), `draft_layers` is `DRAFT_LAYERS` (draft.py).
+    `runtime.experts`; `layers` is `LAYERS` (modeling.py: runs `(range(start, stop), id)`), `draft_layers`
+    is `DRAFT_LAYERS` (draft.py).
     """
 
     kind: str
@@ -91,7 +90,7 @@ def claims_for_modeling(plan, registry) -> Claims:
         draft_honored=_honored(plan.draft_moe_impls_honored),
         implementations={i: (registry.impl(i).class_name, registry.impl(i).family) for i in ids},
         experts=_experts(ids, registry),
-        layers=tuple(l.impl for l in plan.layers),
+        layers=tuple((range(r.start, r.stop), r.impl) for r in layer_runs(plan.layers)),
     )
 
 
@@ -320,7 +319,7 @@ class _Checker:
         if c.kind == SPECIALIZED:
             self.expect(values, "MOE_IMPLS_HONORED", c.honored, "the target's honored ids")
             self.expect(values, "DRAFT_MOE_IMPLS_HONORED", c.draft_honored, "the target's honored draft ids")
-            self.expect(values, "LAYERS", c.layers, "the plan's layer table")
+            self.expect_layers(values)
         else:
             self.expect(values, "DRAFT_LAYERS", c.draft_layers, "the plan's draft layer table")
         self.expect_implementations(values)
@@ -361,13 +360,38 @@ class _Checker:
             actual = ast.literal_eval(self.module.code_for_node(node.value))
         except (ValueError, SyntaxError):
             self.fail(node, f"{name} equals the plan", f"{name} is not a literal")
+        self.compare(node, name, actual, expected, what)
+
+    def expect_layers(self, values) -> None:
+        """`LAYERS`: runs `(range(start, stop), id)`, read from the tree (range's two integers, the id a literal)."""
+        import libcst
+
+        node = self.single(values, "LAYERS")
+        claim, runs = "LAYERS equals the plan", []
+        elements = node.value.elements if isinstance(node.value, libcst.Tuple) else None
+        for element in elements if elements is not None else [node]:
+            run = element.value
+            call = run.elements[0].value if isinstance(run, libcst.Tuple) and len(run.elements) == 2 else None
+            ok = (isinstance(call, libcst.Call) and isinstance(call.func, libcst.Name) and call.func.value == "range"
+                  and len(call.args) == 2 and all(a.keyword is None and isinstance(a.value, libcst.Integer) for a in call.args))
+            try:
+                impl = ast.literal_eval(self.module.code_for_node(run.elements[1].value)) if ok else None
+            except (ValueError, SyntaxError):
+                ok = False
+            if not ok:
+                self.fail(element, claim, "each run reads (range(start, stop), 'id' or None)")
+            runs.append((range(*(int(a.value.value) for a in call.args)), impl))
+        self.compare(node, "LAYERS", tuple(runs), self.claims.layers, "the plan's layer table", table=True)
+
+    def compare(self, node, name: str, actual, expected, what: str, table: bool = False) -> None:
         if actual == expected and type(actual) is type(expected):
             return
-        if isinstance(actual, tuple) and isinstance(expected, tuple) and len(actual) == len(expected) and len(expected) > 3:
-            # A long table: name the first entry that differs rather than printing both tables.
+        table = table or (isinstance(expected, tuple) and len(expected) > 3)
+        if table and isinstance(actual, tuple) and isinstance(expected, tuple) and len(actual) == len(expected):
+            # A table: name the first entry that differs rather than printing both tables.
             i = next(k for k, (a, e) in enumerate(zip(actual, expected)) if a != e or type(a) is not type(e))
             self.fail(node, f"{name} equals the plan", f"{name}[{i}] = {actual[i]!r}, but in {what} it is {expected[i]!r}")
-        if isinstance(actual, tuple) and isinstance(expected, tuple) and len(expected) > 3:
+        if table and isinstance(actual, tuple) and isinstance(expected, tuple):
             self.fail(node, f"{name} equals the plan", f"{name} has {len(actual)} entries, but {what} has {len(expected)}")
         self.fail(node, f"{name} equals the plan", f"{name} = {actual!r}; {what}: {expected!r}")
 

@@ -1,8 +1,8 @@
 """Decoding for every generated build: the causal-LM base class, static-cache decoders replayed as CUDA graphs, and `generate`.
 
-A build's model class extends `CausalLM`, which runs the backbone (`self.model`: `embed_tokens`, `layers`,
-`norm`, `rotary_emb`) and `self.lm_head`, so the specialized builds and the generic build decode through
-this one module. A `Decoder` owns static caches for one (batch, length) bucket; on CUDA its one-token step
+A build's model class extends `CausalLM` (through `runtime.causal_lm.CausalLMBuild`, which constructs
+it), which runs the backbone (`self.model`: `embed_tokens`, `layers`, `norm`, `rotary_emb`) and
+`self.lm_head`, so the specialized builds and the generic build decode through this one module. A `Decoder` owns static caches for one (batch, length) bucket; on CUDA its one-token step
 is captured once as a CUDA graph (the step reads its token ids and position from fixed input tensors and
 advances the position on the device) and replayed; on the CPU the same step runs eagerly. `generate`
 prefills eagerly, then replays the step, sampling on the device (greedy, or temperature with top-p by

@@ -127,15 +127,28 @@ def test_honored_constants_that_differ_from_the_plan_are_refused(project, name):
 
 
 def test_a_layer_table_entry_that_differs_from_the_plan_is_refused(project):
-    # RULES GN1: LAYERS holds the plan's bound id per layer
+    # RULES GN1: LAYERS holds the plan's bound id per run of layers
     decl, plan, registry = planned(project, KIMI)
     path, text, claims = rendered(project)
     first = plan.layers[0].impl
     start = text.index("LAYERS = (\n")
-    bad = text[:start] + text[start:].replace(f"    {first!r},\n", "    'torch.eager.loop.bf16',\n", 1)
+    bad = text[:start] + text[start:].replace(f"    (range(0, 1), {first!r}),\n", "    (range(0, 1), 'torch.eager.loop.bf16'),\n", 1)
     assert refusal(path, bad, claims) == (
         f"{path}:{line_of(bad, 'LAYERS = (')}: claim 'LAYERS equals the plan' does not hold: "
-        f"LAYERS[0] = 'torch.eager.loop.bf16', but in the plan's layer table it is {first!r} (RULES GN1)"
+        f"LAYERS[0] = (range(0, 1), 'torch.eager.loop.bf16'), but in the plan's layer table it is (range(0, 1), {first!r}) (RULES GN1)"
+    )
+
+
+def test_a_layer_table_whose_runs_cover_other_layers_than_the_plan_is_refused(project):
+    # RULES GN1: the runs' ranges are the plan's too, not only the ids
+    decl, plan, registry = planned(project, KIMI)
+    path, text, claims = rendered(project)
+    start = text.index("LAYERS = (\n")
+    bad = text[:start] + text[start:].replace("(range(0, 1), ", "(range(0, 2), ", 1)
+    assert refusal(path, bad, claims) == (
+        f"{path}:{line_of(bad, 'LAYERS = (')}: claim 'LAYERS equals the plan' does not hold: "
+        f"LAYERS[0] = (range(0, 2), {plan.layers[0].impl!r}), but in the plan's layer table it is "
+        f"(range(0, 1), {plan.layers[0].impl!r}) (RULES GN1)"
     )
 
 

@@ -1,0 +1,107 @@
+"""The causal-LM scaffold every generated model class extends: checks, layout, backbone and head, loading, random init.
+
+A generated `modeling.py` states what is particular to its build (target, SM, layout, the bound
+implementations, the layer plan, the tensors it does not read) and how one decoder layer is made
+(`Architecture`: its layer builders); `CausalLMBuild` does the rest the same way for every build: it
+refuses a device or a rank the build does not run on, joins the layout's process groups, constructs the
+checkpoint's `model.*` (`Backbone`) and `lm_head`, logs what it binds (RULES LR6), and loads. A
+specialized build passes its constants; the generic build passes what it resolved at load (RULES GN1).
+Forward and decoding are `runtime.decoding.CausalLM`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from runtime import build
+from runtime.checkpoint import load_checkpoint
+from runtime.decoding import CausalLM
+from runtime.ops import LMHead, VocabEmbedding
+from runtime.parallel import Layout, attach_layout
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How a build's decoder is made: its vocabulary and hidden sizes, and its file's layer builders
+    (`make_layer(index, experts_cls or None, layout, rank, dtype)`, `make_norm(dtype)`, `make_rotary()`)."""
+
+    vocab_size: int
+    hidden_size: int
+    make_layer: Callable
+    make_norm: Callable
+    make_rotary: Callable
+
+
+def layer_ids(runs) -> tuple[str | None, ...]:
+    """A layer plan written as runs, `((range(0, 1), None), (range(1, 4), "id"), ...)`, as one id per layer."""
+    ids: list[str | None] = []
+    for layers, impl in runs:
+        if layers.start != len(ids) or layers.step != 1:
+            raise ValueError(f"a layer plan's runs cover consecutive layers from 0; {layers} follows layer {len(ids) - 1}")
+        ids.extend([impl] * len(layers))
+    return tuple(ids)
+
+
+class Backbone(nn.Module):
+    """The checkpoint's `model.*`: embedding, decoder layers, final norm, rotary tables."""
+
+    def __init__(self, arch: Architecture, experts_classes, layout: Layout, rank: int, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(
+            vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, tp_rank=layout.tp_rank(rank), tp_size=layout.tp, dtype=dtype
+        )
+        self.layers = nn.ModuleList(arch.make_layer(i, cls, layout, rank, dtype) for i, cls in enumerate(experts_classes))
+        self.norm = arch.make_norm(dtype)
+        self.rotary_emb = arch.make_rotary()
+
+
+class CausalLMBuild(CausalLM):
+    """A build's model: constructed for `target` on `device` as rank `rank` of `layout`.
+
+    `implementations`: bound id -> (experts class, backend family); `cpu_impls`: the bound ids that also
+    run on the host CPU; `layers`: per decoder layer its bound id, None for a dense MLP; `ignored`: the
+    checkpoint tensors the build does not read (fnmatch patterns; the loader refuses any other unread one).
+    """
+
+    def __init__(
+        self,
+        arch: Architecture,
+        *,
+        target: str,
+        sm: int,
+        parallel: str,
+        layout: Layout,
+        implementations: dict,
+        cpu_impls: Sequence[str],
+        layers: Sequence[str | None],
+        ignored: Sequence[str] = (),
+        device="cpu",
+        rank: int = 0,
+        dtype: torch.dtype = torch.bfloat16,
+    ):
+        super().__init__()
+        self.layout, self.ignored_tensors = layout, tuple(ignored)
+        build.check_placement(target, sm, device, implementations, tuple(cpu_impls), owner=self)
+        # Refuses a torch.distributed world that does not fit the layout before any collective runs.
+        attach_layout(self, target, parallel, layout, rank)
+        build.check_rank(target, layout.world, rank)
+        experts_classes = tuple(implementations[i][0] if i else None for i in layers)
+        self.rank, self.device, self.dtype = rank, torch.device(device), dtype
+        with torch.device(device):
+            self.model = Backbone(arch, experts_classes, layout, rank, dtype)
+            self.lm_head = LMHead(
+                hidden_size=arch.hidden_size, vocab_size=arch.vocab_size, tp_rank=layout.tp_rank(rank), tp_size=layout.tp, dtype=dtype
+            )
+        build.log_implementations(implementations)
+
+    def load_checkpoint(self, path, progress=None):
+        """Read this rank's weights from an HF checkpoint folder (a failed load changes nothing)."""
+        return load_checkpoint(self, path, ignore=self.ignored_tensors, progress=progress, device=self.device)
+
+    def init_random(self, seed=0):
+        """Fresh seeded random weights (never zeros), for runs without a checkpoint."""
+        build.init_random(self, seed)
