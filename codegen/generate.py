@@ -67,8 +67,9 @@ class Planned:
     resolution: ModelResolution
 
 
-def declared_plans(decls: dict[str, Declaration]) -> dict[str, tuple[BuildPlan, list[Planned]]]:
-    """Every buildable model's generic plan and its targets' plans under their declared selections.
+def declared_plans(decls: dict[str, Declaration], registry: Registry | None = None) -> dict[str, tuple[BuildPlan, list[Planned]]]:
+    """Every buildable model's generic plan and its targets' plans under their declared selections, resolved
+    on `registry` (default: the project's).
 
     A target must claim its own declared selection: a declared build bound to an implementation its
     target does not honor would be exactly the silent substitution the honored ids exist to prevent
@@ -78,7 +79,7 @@ def declared_plans(decls: dict[str, Declaration]) -> dict[str, tuple[BuildPlan, 
     for decl in buildable(decls):
         planned = []
         for n, target in enumerate(decl.targets):
-            p = Planned(target, *target_plan(decl, target))
+            p = Planned(target, *target_plan(decl, target, registry=registry))
             if not p.resolution.claimed:
                 raise DeclarationError(
                     f"{_where(decl, n)}: target {target.name} does not claim its own declared selection: "
@@ -114,7 +115,7 @@ def declared_generation(
     `only` limits the builds written to one model; the index always covers every model. `models` is
     the `--models` folder the non-project declarations came from, named in their headers (GN2).
     """
-    plans = plans if plans is not None else declared_plans(decls)
+    plans = plans if plans is not None else declared_plans(decls, registry)
     project = project_models(decls)
     gen = Generation()
     for name, (generic, targets) in plans.items():
@@ -197,7 +198,7 @@ def model_generation(
         raise SelectionError(f"{model} declares no target on {where}; its targets: {declared}")
     project = project_models(decls)
     into_repo = out is None and model in project
-    plans = declared_plans(project) if into_repo else {model: (None, [])}
+    plans = declared_plans(project, registry) if into_repo else {model: (None, [])}
     by_name = {p.target.name: p for p in plans[model][1]}
     gen = Generation()
     refusals, explored = [], []
@@ -206,7 +207,7 @@ def model_generation(
         same = selection is None or selection.canonical(registry) == declared.canonical(registry)
         planned = by_name.get(target.name) if same else None
         if planned is None:
-            planned = Planned(target, *target_plan(decl, target, selection or declared))
+            planned = Planned(target, *target_plan(decl, target, selection or declared, registry))
         # The router's decision on the build this command writes (RULES TG6): what is refused here is
         # what `load_model` would refuse.
         decision = decide(index_entry(planned.plan), decl.facts(target.checkpoint), selection or declared, planned.plan.layout)

@@ -4,6 +4,10 @@ Paths are relative to a *generated root* (the repo's `generated/`, `build/genera
 or `--out DIR`); every import inside that root is package-relative, so a root works under any name.
 Every Python output carries the claims `codegen.verify` checks before it is written (RULES GN1, GN4):
 a build's model files their plan's, the rest the allow-list of constants-only or root-package code.
+
+Each file's header fingerprint covers what its text is rendered from, and nothing else (RULES GN2), so
+a change elsewhere in the registry leaves its bytes alone; a file whose text depends on nothing but its
+path (a package's `__init__.py`, the root's `__init__.py` and `run.py` shims) carries none.
 """
 
 from __future__ import annotations
@@ -11,8 +15,9 @@ from __future__ import annotations
 import json
 
 from codegen import catalog, schema
-from codegen.files import MARKER, Output
-from codegen.plan import BuildPlan, index_entry
+from codegen.files import Output
+from codegen.headers import MARKER
+from codegen.plan import BuildPlan, fingerprint, index_entry
 from codegen.render import render_python
 from codegen.verify import DATA_CLAIMS, GENERIC_CLAIMS, ROOT_CLAIMS, claims_for_draft, claims_for_modeling
 from registry.declarations import Declaration
@@ -30,9 +35,14 @@ def model_command(model: str, extra: str = "") -> str:
 ALL_COMMAND = "python -m codegen generate --all"
 
 
-def _json_output(path: str, payload: dict, command: str, fingerprint: str) -> Output:
-    body = {"$comment": f"{MARKER} Regenerate: {command}. Fingerprint: {fingerprint}"} | payload
+def _json_output(path: str, payload: dict, command: str) -> Output:
+    body = {"$comment": f"{MARKER} Regenerate: {command}. Fingerprint: {fingerprint(payload)}"} | payload
     return Output(path, json.dumps(body, indent=2, sort_keys=True) + "\n")
+
+
+def _package(path: str, command: str, what: str, docstring: str) -> Output:
+    """A package's `__init__.py`: its docstring only, so no fingerprint."""
+    return Output(path, render_python("package_init.py.j2", path, command, None, what, docstring=docstring), DATA_CLAIMS)
 
 
 def build_outputs(decl: Declaration, plan: BuildPlan, registry: Registry, extra: str = "") -> list[Output]:
@@ -42,11 +52,12 @@ def build_outputs(decl: Declaration, plan: BuildPlan, registry: Registry, extra:
     base = f"{decl.model.name}/{plan.target}"
     command = target_command(plan, extra)
     out = [
-        Output(f"{base}/__init__.py", render_python("package_init.py.j2", f"{base}/__init__.py", command, plan.fingerprint,
-                                                   f"Specialized build {plan.target}.", docstring=f"Specialized build {plan.target} of {plan.model}."),
-               DATA_CLAIMS),
+        _package(f"{base}/__init__.py", command, f"Specialized build {plan.target}.", f"Specialized build {plan.target} of {plan.model}."),
+        # modeling.py and draft.py: `plan.fingerprint`, the plan's decisions and the bound entries' registry facts.
         Output(f"{base}/modeling.py", render_modeling(decl, plan, registry, command), claims_for_modeling(plan, registry)),
-        _json_output(f"{base}/resolution.json", plan.resolution, command, plan.fingerprint),
+        # resolution.json: the whole report, so it also changes when an implementation becomes an
+        # alternative or a rejection of these layers (what `explain` shows).
+        _json_output(f"{base}/resolution.json", plan.resolution, command),
     ]
     if plan.draft is not None:
         out.append(Output(f"{base}/draft.py", render_draft(decl, plan, registry, command), claims_for_draft(plan, registry)))
@@ -70,42 +81,40 @@ def model_outputs(decl: Declaration, generic: BuildPlan, registry: Registry, ext
                       "quantized_layers": sorted([k, v] for k, v in c.quantized_layers.items())} for c in decl.checkpoints}
     profiles = {k: [p.tp, p.moe_tp, p.ep, p.dp] for k, p in decl.parallel_profiles.items()}
     draft_configs = {d.name: d.config for d in decl.drafts}
+    # facts.py: exactly the values it writes (the declaration's, never the registry's).
+    facts = dict(model=name, family=decl.family.name, config=decl.config, profiles=profiles, quant=quant,
+                 facts=generic.facts, draft_configs=draft_configs)
     return [
-        Output(f"{name}/__init__.py", render_python("package_init.py.j2", f"{name}/__init__.py", command, generic.fingerprint,
-                                                   f"Builds of {name}.", docstring=f"Generated builds of {name}."), DATA_CLAIMS),
-        Output(f"{name}/facts.py", render_python(
-            "facts.py.j2", f"{name}/facts.py", command, generic.fingerprint, f"Facts of {name}.",
-            model=name, family=decl.family.name, config=decl.config, profiles=profiles, quant=quant,
-            facts=generic.facts, draft_configs=draft_configs), DATA_CLAIMS),
-        Output(f"{name}/generic/__init__.py", render_python("package_init.py.j2", f"{name}/generic/__init__.py", command, generic.fingerprint,
-                                                           f"Generic build of {name}.", docstring=f"Generic build of {name}: resolves each layer when it loads."),
+        _package(f"{name}/__init__.py", command, f"Builds of {name}.", f"Generated builds of {name}."),
+        Output(f"{name}/facts.py", render_python("facts.py.j2", f"{name}/facts.py", command, fingerprint(facts), f"Facts of {name}.", **facts),
                DATA_CLAIMS),
+        _package(f"{name}/generic/__init__.py", command, f"Generic build of {name}.", f"Generic build of {name}: resolves each layer when it loads."),
+        # generic/modeling.py (and draft.py): `generic.fingerprint`, the generic plan (no resolution: it resolves at load).
         Output(f"{name}/generic/modeling.py", render_generic(decl, generic, registry, command), GENERIC_CLAIMS),
     ] + ([Output(f"{name}/generic/draft.py", render_generic_draft(decl, generic, command), GENERIC_CLAIMS)] if generic_draft(decl) else [])
 
 
 def index_outputs(models: list[str], plans: list[BuildPlan], command: str = ALL_COMMAND,
                   generic_drafts: dict[str, tuple[str, tuple[str, ...]]] | None = None) -> list[Output]:
-    """The root package: `load_model` and the router index of the builds in this root.
+    """The root package: the router index of the builds in this root, and the shims of `load_model` and `run`.
 
     `generic_drafts`: model -> (draft kind, the speculative modes) of its generic build's `draft.py`."""
-    import hashlib
-
     drafts = generic_drafts or {}
     targets = [index_entry(p) for p in sorted(plans, key=lambda p: (p.model, p.target))]
     entries = [{"name": m, "generic": f".{m}.generic.modeling", "facts": f".{m}.facts",
                 "generic_draft": {"module": f".{m}.generic.draft", "kind": drafts[m][0], "modes": sorted(drafts[m][1])}
                 if m in drafts else None}
                for m in sorted(models)]
-    fingerprint = "sha256:" + hashlib.sha256(json.dumps([entries, targets], sort_keys=True).encode()).hexdigest()
     return [
-        Output("_router_index.py", render_python("router_index.py.j2", "_router_index.py", command, fingerprint,
+        # The index: every entry it lists (changes when what a build binds or honors does).
+        Output("_router_index.py", render_python("router_index.py.j2", "_router_index.py", command, fingerprint(entries, targets),
                                                  "The router's index of every build in this package.", models=entries, targets=targets),
                DATA_CLAIMS),
-        Output("__init__.py", render_python("generated_init.py.j2", "__init__.py", command, fingerprint,
-                                            "load_model: the router over the builds in this package."), ROOT_CLAIMS),
-        Output("run.py", render_python("run.py.j2", "run.py", command, fingerprint,
-                                       "The launcher: python -m generated.run (runtime.launch)."), ROOT_CLAIMS),
+        # The shims: their logic is serving's; their text depends on nothing.
+        Output("__init__.py", render_python("generated_init.py.j2", "__init__.py", command, None,
+                                            "load_model: the router over the builds in this package (serving.load)."), ROOT_CLAIMS),
+        Output("run.py", render_python("run.py.j2", "run.py", command, None,
+                                       "The launcher: python -m generated.run (serving.run)."), ROOT_CLAIMS),
     ]
 
 

@@ -1,7 +1,8 @@
-"""The build fingerprint: sha256 of the canonical plan (RULES GN2).
+"""The build fingerprint: sha256 of what a file is rendered from, the canonical plan (RULES GN2).
 
 Equivalent spellings of a tactic are one selection, so they give one plan, one fingerprint and the
-same bytes on disk; a different selection gives a different fingerprint.
+same bytes on disk; a different selection gives a different fingerprint; an implementation added to
+the registry changes no file of a build that does not bind it but the reports that list it.
 """
 
 from __future__ import annotations
@@ -68,3 +69,31 @@ def test_the_fingerprint_is_stable_across_calls_and_matches_the_header(mymoe, ca
     assert cli(capsys, "generate", "--models", folder, "--model", "mymoe", "--parallel", "tp1", "--out", out)[0] == 0
     text = (out / f"mymoe/{target.name}/modeling.py").read_text()
     assert text.splitlines()[2] == f"# Fingerprint: {plan.fingerprint}"
+
+
+def test_a_new_implementation_changes_only_the_reports_it_enters_and_no_build_that_does_not_bind_it(tmp_path):
+    # RULES GN2, ARCHITECTURE "what a change costs": a new implementation leaves the bytes of every build
+    # that does not bind it alone; only the resolution.json of the builds whose layers it is an
+    # alternative or a rejection of lists it. Low priority on sm_100 only: it never wins over the TORCH grouped GEMM.
+    from codegen.generate import declared_generation, project_models
+    from registry.impls import load_registry, load_registry_text
+    from tests.registry.helpers import REAL_TEXT, impl_toml
+
+    new_id = "torch.grouped_mm.blocked_gemm.bf16"
+    decls = project_models(load_models())
+    before = load_registry()
+    after = load_registry_text(REAL_TEXT + impl_toml(new_id, "TORCH", 599, sms="[100]", cpu="true",
+                                                     klass="runtime.experts.torch_grouped:TorchBlockedBf16Experts"))
+    old = {o.path: o.content for o in declared_generation(decls, before).roots["generated"]}
+    new_generation = declared_generation(decls, after)
+    new = {o.path: o.content for o in new_generation.roots["generated"]}
+    assert set(new) == set(old)
+    changed = sorted(p for p in new if new[p] != old[p])
+    entered = sorted(p for p in new if p.endswith("/resolution.json") and new_id in new[p])
+    assert entered, "the new implementation enters no build's resolution: the test proves nothing"
+    assert changed == entered
+    # Every build's Python files, the facts, the index and the shims stay byte-identical, among them the
+    # modeling.py of the builds whose report now lists the new id.
+    assert not [p for p in changed if p.endswith(".py")]
+    unaffected = [p for p in new if p.endswith("/resolution.json") and p not in entered]
+    assert unaffected, "every build's resolution lists the new implementation: nothing shows a build left alone"

@@ -1,0 +1,206 @@
+"""`load_model` of a generated root: the router over its builds, which builds and loads the one that serves a deployment.
+
+The router reads the root's `_router_index.INDEX`: a target's specialized build when it claims the
+selection, is bound to what the selection resolves to and holds the draft its speculative mode needs (the
+decision `explain` narrates), else the model's generic build (mode `auto`), or an error naming the
+criterion that did not match (`require`); `off` always uses the generic build (RULES TG5, TG6). A root
+may be imported under any name (`generate --out`): `Builds` is given it, and imports the root's modules
+relative to it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from pathlib import Path
+
+log = logging.getLogger("moegen")
+
+
+def selection_of(moe_config, speculative_config):
+    """A Selection from registry.deploy objects, plain dicts, or None."""
+    from registry.selection import Selection, check_selection
+
+    def get(obj, name, default=None):
+        if obj is None:
+            return default
+        return obj.get(name, default) if isinstance(obj, dict) else getattr(obj, name, default)
+
+    return check_selection(
+        Selection(
+            backend=get(moe_config, "backend", "AUTO"),
+            tactic=get(moe_config, "tactic"),
+            eplb=bool(get(moe_config, "eplb", False)),
+            spec_mode=get(speculative_config, "mode"),
+            draft_backend=get(speculative_config, "moe_backend"),
+            draft_tactic=get(speculative_config, "moe_tactic"),
+        )
+    )
+
+
+def _layer_formats(facts, quant):
+    """Every MoE layer's (index, checkpoint format) under `quant` (RULES FN1), target and draft layers."""
+    from registry.formats import expert_format
+
+    sites = list(facts["sites"]) + [site for draft in facts["drafts"] for site in draft["sites"]]
+    return sorted((layer, expert_format(quant, module, ()).format) for layer, module, *_ in sites)
+
+
+def checkpoint_name_of(facts_module, model, checkpoint, checkpoint_name):
+    """The declared checkpoint a folder is: the one whose quant metadata it carries, else the one
+    whose MoE layers its metadata gives the same formats (producers spell exclusions differently:
+    DeepSeek's config.json lists none where the declaration names the router it leaves in bf16)."""
+    from registry.errors import SelectionError
+    from registry.formats import CheckpointQuant
+    from registry.quant_meta import read_checkpoint_quant
+
+    names = sorted(facts_module.FACTS)
+    if checkpoint_name is not None:
+        if checkpoint_name not in names:
+            raise SelectionError(f"{model} has no checkpoint {checkpoint_name!r}; declared: {', '.join(names)}")
+        return checkpoint_name
+    if checkpoint is not None:
+        found, source = read_checkpoint_quant(Path(checkpoint))
+        declared = {}
+        for name in names:
+            q = facts_module.QUANT[name]
+            declared[name] = CheckpointQuant(q["quant_algo"], tuple(q["exclude_modules"]), tuple(tuple(e) for e in q["quantized_layers"]))
+        same = [name for name in names if declared[name] == found]
+        if not same:
+            same = [
+                name for name in names
+                if _layer_formats(facts_module.FACTS[name], found) == _layer_formats(facts_module.FACTS[name], declared[name])
+            ]
+        if len(same) == 1:
+            return same[0]
+        what = "matches none" if not same else f"matches several ({', '.join(same)})"
+        raise SelectionError(
+            f"the quant metadata of {checkpoint} ({source}) {what} of {model}'s declared checkpoints "
+            f"({', '.join(names)}); pass checkpoint_name=, or declare it (python -m codegen import-checkpoint)"
+        )
+    if len(names) == 1:
+        return names[0]
+    raise SelectionError(f"{model} has several checkpoints ({', '.join(names)}): pass checkpoint= or checkpoint_name=")
+
+
+class Builds:
+    """The builds of the generated root imported as `package` (e.g. `generated`), read through its index."""
+
+    def __init__(self, package: str):
+        self.package = package
+
+    def __reduce__(self):
+        # Pickled by name: a rank process (runtime.launch) imports the root again rather than receiving its index.
+        return Builds, (self.package,)
+
+    @functools.cached_property
+    def index(self) -> dict:
+        return importlib.import_module(f"{self.package}._router_index").INDEX
+
+    def module(self, relative: str):
+        """One of the root's modules, named as the index names it (`.<model>.<target>.modeling`)."""
+        return importlib.import_module(relative, self.package)
+
+    def facts(self, model):
+        """The model's generated facts module, refused (SelectionError) when the root has no build of it."""
+        from registry.errors import SelectionError
+
+        if model not in self.index["models"]:
+            raise SelectionError(f"no generated build of model {model!r}; generated: {', '.join(sorted(self.index['models']))}")
+        return self.module(self.index["models"][model]["facts"])
+
+    def load_model(
+        self,
+        model,
+        sm,
+        parallel="tp1",
+        moe_config=None,
+        speculative_config=None,
+        checkpoint=None,
+        checkpoint_name=None,
+        device="cpu",
+        mode="auto",
+        rank=0,
+        seed=0,
+        dtype=None,
+        draft_checkpoint=None,
+    ):
+        """Build `model` for (checkpoint, sm, parallel) and load its weights (a checkpoint folder, or random).
+
+        `draft_checkpoint`: the folder of a draft that keeps its weights apart from the target's (an external
+        drafter, an Eagle3 head, a replacement MTP head); an embedded MTP draft reads `checkpoint`.
+
+        `dtype` is the build's activation and parameter dtype (default: the build's own, bfloat16).
+        `device="meta"` without a checkpoint builds the structure only, allocating nothing.
+        Returns the model (a torch module); under a neural speculative mode its draft build is `model.draft`
+        (`model.generate(..., speculative=k)` decodes with it). Raises a moegen error naming what did not match under `require`.
+        """
+        from registry.parallel import Layout, parse_layout
+        from registry.router import facts_from_literal, route
+
+        facts_module = self.facts(model)
+        name = checkpoint_name_of(facts_module, model, checkpoint, checkpoint_name)
+        facts = facts_from_literal(facts_module.FACTS[name])
+        profiles = {k: Layout(*v) for k, v in facts_module.PROFILES.items()}
+        layout = parse_layout(parallel, profiles)
+        selection = selection_of(moe_config, speculative_config)
+        chosen = route(self.index, facts, sm, parallel, layout.as_tuple(), selection, mode)
+        module = self.module(chosen.module)
+        for reason in chosen.reasons:
+            # Falling back is allowed, silently falling back is not (RULES TG5); `off` asked for it.
+            log.log(logging.INFO if mode == "off" else logging.WARNING, "%s; loading the generic build %s", reason, module.__name__)
+        extra = {} if dtype is None else {"dtype": dtype}
+        if chosen.kind == "specialized":
+            built = module.MODEL_CLASS(device=device, rank=rank, **extra)
+        else:
+            built = module.MODEL_CLASS(
+                checkpoint=name, sm=sm, parallel=parallel, selection=selection, device=device, rank=rank, **extra
+            )
+        if checkpoint is not None:
+            built.load_checkpoint(checkpoint)
+        elif str(device) != "meta":
+            # On meta the build is its structure only (which build serves, what it binds): no values to draw.
+            built.init_random(seed)
+        if selection.spec_mode is not None:
+            from runtime.speculative import attach_draft
+
+            attach_draft(built, *self._load_draft(model, name, sm, parallel, chosen, selection, checkpoint, draft_checkpoint,
+                                                  device, rank, seed, extra))
+        return built
+
+    def _load_draft(self, model, name, sm, parallel, chosen, selection, checkpoint, draft_checkpoint, device, rank, seed, extra):
+        """(the draft build the speculative mode needs, None) or (None, why the build decodes without one):
+        an embedded MTP draft reads the target's checkpoint folder, every other kind `draft_checkpoint` (RULES SD3)."""
+        from registry.model import NON_NEURAL_MODES
+
+        mode = selection.spec_mode
+        if mode in NON_NEURAL_MODES:
+            return None, f"speculative_config.mode {mode!r} has no neural draft: decoded with the target alone"
+        if chosen.kind == "specialized":
+            # The router served this build only because it holds the draft of this mode (RULES TG6).
+            held = next(t["draft"] for t in self.index["targets"] if t["name"] == chosen.target)
+            kind = held["kind"]
+            draft = self.module(held["module"]).DRAFT_CLASS(device=device, rank=rank, **extra)
+        else:
+            generic = self.index["models"][model]["generic_draft"]
+            if generic is None or mode not in generic["modes"]:
+                return None, f"the generic build of {model} constructs no draft for mode {mode!r}: decoded with the target alone"
+            # The generic draft resolves its layers at load under the draft's own selection (DR1, DR2).
+            kind = generic["kind"]
+            draft = self.module(generic["module"]).DRAFT_CLASS(
+                checkpoint=name, sm=sm, parallel=parallel, selection=selection, device=device, rank=rank, **extra)
+        own = draft_checkpoint
+        if own is None and checkpoint is not None:
+            if kind != "embedded_mtp":
+                from registry.errors import SelectionError
+
+                raise SelectionError(f"the {kind} draft of {model} keeps its weights in a folder of its own: "
+                                     "pass draft_checkpoint=DIR to load_model")
+            own = checkpoint
+        if own is not None:
+            draft.load_checkpoint(own)
+        elif str(device) != "meta":  # on meta a build is its structure only
+            draft.init_random(seed)
+        return draft.eval(), None
+

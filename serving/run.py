@@ -1,0 +1,85 @@
+"""The launcher of a generated root: `python -m generated.run --model M --sm S --parallel P (--checkpoint PATH | --tiny) [--nproc N]`.
+
+Runs a build's parallel layout on N local ranks (gloo on CPU, NCCL on CUDA; `runtime.launch` does the
+launching), each rank building through `load_model(..., rank=r)` and reading only its shard of the
+checkpoint; rank 0 prints a summary of the logits. This module feeds the launcher what only the registry
+knows: the target's name and layout, the model's vocabulary, and which tensors a tiny random checkpoint
+holds. Under torchrun it runs as the rank torchrun made it, with the same arguments:
+`torchrun --nproc-per-node N -m generated.run --model M --sm S --parallel P --tiny`.
+Collectives wait at most `--timeout` seconds, else MOEGEN_DIST_TIMEOUT_S, else 300.
+"""
+
+from __future__ import annotations
+
+from runtime import launch
+from runtime.parallel import Layout
+from serving.load import Builds, checkpoint_name_of, selection_of
+
+
+class Launcher:
+    """The launcher of the generated root imported as `package`: what its `run.py` shim exposes."""
+
+    def __init__(self, package: str):
+        self.builds = Builds(package)
+        self.load_model = self.builds.load_model
+        # Imported once by the fork server that starts CPU ranks (the registry: generic builds resolve at load).
+        self.preload = (package, "registry.generic", "registry.router")
+
+    def _facts(self, model):
+        from registry.errors import MoegenError
+
+        try:
+            return self.builds.facts(model)
+        except MoegenError as e:
+            raise ValueError(str(e)) from None
+
+    def describe(self, model, sm, parallel, checkpoint=None, checkpoint_name=None, spec_mode=None):
+        """The run's target name and layout numbers, refused (ValueError) before any rank starts when unknown
+        (or when the model has no draft for `spec_mode`)."""
+        from registry.errors import MoegenError
+        from registry.model_resolve import resolve_model
+        from registry.parallel import Layout as LayoutName, parse_layout
+        from registry.router import facts_from_literal
+
+        facts = self._facts(model)
+        try:
+            name = checkpoint_name_of(facts, model, checkpoint, checkpoint_name)
+            numbers = parse_layout(parallel, {k: LayoutName(*v) for k, v in facts.PROFILES.items()})
+            if spec_mode is not None:
+                selection = selection_of(None, {"mode": spec_mode})
+                resolve_model(facts_from_literal(facts.FACTS[name]), selection, sm, numbers.moe_tp, numbers.ep)
+        except MoegenError as e:
+            raise ValueError(str(e)) from None
+        return launch.RunTarget(
+            name=f"{name}__sm_{sm}__{parallel}", parallel=parallel, layout=Layout(*numbers.as_tuple()),
+            vocab_size=facts.CONFIG["vocab_size"], checkpoint_name=name,
+        )
+
+    def write_tiny(self, model, sm, checkpoint_name, folder, seed=0):
+        """One seeded random checkpoint of `model`, named by its one-rank generic build built on the meta device
+        (names and shapes only, so even a build bound to GPU-only kernels writes it on a CPU host), plus the
+        tensors of the one-rank specialized build's embedded MTP draft where it has one (the builds that do not run the
+        draft ignore them, as they ignore a real checkpoint's MTP layers)."""
+        from registry.errors import MoegenError
+        from registry.router import facts_from_literal, matching
+        from runtime.checkpoint.writer import random_tensors, save_checkpoint
+
+        facts = self._facts(model)
+        generic = self.builds.module(self.builds.index["models"][model]["generic"])
+        try:
+            whole = generic.MODEL_CLASS(checkpoint=checkpoint_name, sm=sm, parallel="tp1", device="meta")
+        except MoegenError as e:
+            raise ValueError(str(e)) from None
+        tensors = random_tensors(whole, generic.FAMILY, seed)
+        for target in matching(self.builds.index, facts_from_literal(facts.FACTS[checkpoint_name]), sm, "tp1"):
+            # Only an embedded MTP keeps its tensors in the target's folder (the other drafts have their own).
+            if target["draft"] is not None and target["draft"]["kind"] == "embedded_mtp":
+                draft = self.builds.module(target["draft"]["module"])
+                tensors.update(random_tensors(draft.DRAFT_CLASS(device="meta"), generic.FAMILY, seed + 1))
+        return save_checkpoint(tensors, folder, facts.CONFIG)
+
+    def main(self, argv=None):
+        from registry.model import SPEC_MODES
+
+        return launch.main(argv, load_model=self.load_model, describe=self.describe, write_tiny=self.write_tiny,
+                           preload=self.preload, prog=f"python -m {self.builds.package}.run", spec_modes=SPEC_MODES)
