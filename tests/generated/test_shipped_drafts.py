@@ -24,6 +24,6 @@ def test_a_shipped_scenarios_draft_is_bound_for_its_own_format(build):
     draft_layers, target_impl = CASES[build]
     modeling, draft = builds.load(f"generated.{build}.modeling"), builds.load(f"generated.{build}.draft")
     assert draft.DRAFT_LAYERS == draft_layers
-    assert {i for i in modeling.LAYERS if i} == {target_impl}
+    assert {i for _, i in modeling.LAYERS if i} == {target_impl}   # LAYERS: runs (range, id)
     built = draft.DRAFT_CLASS(device="meta", dtype=torch.bfloat16)
     assert type(built).INPUT == INPUTS[draft.MODE]
