@@ -24,7 +24,7 @@ from codegen.headers import MARKER
 class Output:
     path: str       # relative, posix
     content: str
-    claims: object = field(default=None, compare=False)   # codegen.verify.Claims of a build's model file
+    claims: object = field(default=None, compare=False)   # codegen.claims.Claims of a build's model file
 
     @property
     def data(self) -> bytes:

@@ -19,7 +19,7 @@ from codegen.files import Output
 from codegen.headers import MARKER
 from codegen.plan import BuildPlan, fingerprint, index_entry
 from codegen.render import render_python
-from codegen.verify import DATA_CLAIMS, GENERIC_CLAIMS, ROOT_CLAIMS, claims_for_draft, claims_for_modeling
+from codegen.claims import DATA_CLAIMS, GENERIC_CLAIMS, ROOT_CLAIMS, claims_for_draft, claims_for_modeling
 from registry.declarations import Declaration
 from registry.impls import Registry
 
