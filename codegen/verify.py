@@ -52,10 +52,13 @@ _ATTRIBUTES = {
                      "exit", "format", "get", "getLogger", "import_module", "init_random", "items", "join", "kind",
                      "load_checkpoint", "log", "main", "module", "reasons", "__name__",
                      # the speculative draft load_model attaches (RULES SD)
-                     "spec_mode", "DRAFT_CLASS", "eval", "moe_tp", "ep", "update", "target"}),
+                     "spec_mode", "DRAFT_CLASS", "eval", "moe_tp", "ep", "update", "target",
+                     # the family's experts storage a tiny checkpoint is written in (families/<family>/spec.py)
+                     "experts_storage"}),
 }
-# The root package imports the stdlib modules below, the runtime and the registry (it routes and launches).
-_ROOT_IMPORTS = frozenset({"importlib", "logging", "pathlib", "sys", "runtime", "registry"})
+# The root package imports the stdlib modules below, the runtime, the registry (it routes and launches)
+# and the families (pure data: how a family stores its experts, for `--tiny`).
+_ROOT_IMPORTS = frozenset({"importlib", "logging", "pathlib", "sys", "runtime", "registry", "families"})
 
 # Calls that would load a class by name at run time, and so undo the pre-binding of a specialized build.
 _DYNAMIC_LOADERS = ("__import__", "import_module", "load_class")

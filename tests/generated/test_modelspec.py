@@ -14,7 +14,7 @@ import torch
 
 from codegen.import_checkpoint import declaration_config
 from codegen.modelspec import DEFAULTS, normalize
-from registry.families import RUNTIME_FAMILIES
+from families import RUNTIME_FAMILIES
 from runtime.ops import RotaryEmbedding
 from tests.generated import builds
 

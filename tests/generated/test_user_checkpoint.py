@@ -94,7 +94,7 @@ def test_import_refuses_an_architecture_the_runtime_does_not_build_listing_the_f
         import_checkpoint(folder, None, None)
     assert str(refused.value) == (
         f"{folder}: architecture {architecture} is not supported; the runtime builds the families "
-        "deepseek_v3, glm4_moe, qwen3_moe, mixtral, gpt_oss, minimax_m2"
+        "deepseek_v3, glm4_moe, gpt_oss, minimax_m2, mixtral, qwen3_moe"
     )
 
 

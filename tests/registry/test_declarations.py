@@ -270,8 +270,8 @@ def test_a_target_declared_twice_is_refused(tmp_path):
 def test_an_unknown_family_lists_the_families(tmp_path):
     # RULES TG1
     assert load_error(tmp_path, GOOD.replace('family = "mixtral"', 'family = "mixtrall"')) == (
-        "FILE:3: model.family: unknown family 'mixtrall'; families: deepseek_v3, glm4_moe, qwen3_moe, mixtral, "
-        "gpt_oss, minimax_m2, qwen3_next, nemotron_h"
+        "FILE:3: model.family: unknown family 'mixtrall'; families: deepseek_v3, glm4_moe, gpt_oss, minimax_m2, "
+        "mixtral, nemotron_h, qwen3_moe, qwen3_next"
     )
 
 
