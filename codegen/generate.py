@@ -20,9 +20,9 @@ from codegen.files import Output, changed, check_outputs, orphans, remove_orphan
 from codegen.outputs import ALL_COMMAND, build_outputs, docs_outputs, generic_draft_modes, index_outputs, model_outputs
 from codegen.plan import BuildPlan, generic_plan, index_entry, target_plan
 from codegen.verify import verify_outputs
+from families import RUNTIME_FAMILIES
 from registry.declarations import MODELS_DIR, Declaration, TargetDecl, find_model, matching_targets
 from registry.errors import DeclarationError, NotHonoredError, SelectionError
-from registry.families import RUNTIME_FAMILIES
 from registry.impls import Registry, load_registry
 from registry.inputs import text_of_path
 from registry.model_resolve import ModelResolution

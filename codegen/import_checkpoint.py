@@ -19,10 +19,10 @@ from pathlib import Path
 import tomlkit
 
 from codegen.modelspec import normalize
+from families import FAMILIES, RUNTIME_FAMILIES, family_for_architecture
 from registry.configs import ConfigError, validate_config
 from registry.declarations import MODELS_DIR, TOKEN, Declaration, load_declaration
 from registry.errors import DeclarationError
-from registry.families import RUNTIME_FAMILIES, family_for_architecture
 from registry.formats import CHECKPOINT_ALGOS, CheckpointQuant
 from registry.impls import load_registry
 from registry.inputs import kind, parse_json, read_bytes, read_json, text_of_path
@@ -31,10 +31,6 @@ from registry.quant_meta import read_checkpoint_quant, read_config
 
 # config.json keys that describe the file, not the model.
 _SKIP_KEYS = {"quantization_config", "torch_dtype", "dtype", "transformers_version", "auto_map", "_name_or_path", "model_type"}
-
-# transformers >= 5 writes some keys under its canonical attribute name where the hub files (and so
-# the declarations and registry.families) use the published one: canonical -> published, per family.
-_PUBLISHED_NAMES = {"qwen3_moe": {"num_local_experts": "num_experts"}}
 
 # The safetensors format's dtype codes and their widths in bits (the format's own table).
 DTYPE_BITS = {
@@ -166,7 +162,8 @@ def _toml(value, key: str):
 
 def published_config(config: dict, family: str) -> dict:
     """config.json's model keys under their published names (nulls kept)."""
-    renames = _PUBLISHED_NAMES.get(family, {})
+    # transformers >= 5 writes some keys under its canonical name (the family's spec.published_names).
+    renames = FAMILIES[family].published_names
     return {renames.get(k, k): v for k, v in config.items() if renames.get(k, k) not in _SKIP_KEYS}
 
 

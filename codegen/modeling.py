@@ -9,34 +9,23 @@ from __future__ import annotations
 from codegen.modelspec import normalize
 from codegen.plan import BuildPlan
 from codegen.render import py, render_python
+from families import FAMILIES, template_name
+from families.base import FamilySpec
 from registry.declarations import Declaration
 from registry.impls import Registry
 from registry.model_resolve import ROLE_NAMES, span
 
 _OPS = ("MoEBlock", "RMSNorm", "RotaryEmbedding")  # embedding and head: runtime.causal_lm builds them
-_ATTENTION = {"deepseek_v3": ("MLAttention", "mla_softmax_scale")}  # every other family: GQAttention
-_SHARED_EXPERTS = ("deepseek_v3", "glm4_moe")  # a shared-experts MLP in every MoE block
-_ROUTER = {
-    "deepseek_v3": "SigmoidTopKRouter", "glm4_moe": "SigmoidTopKRouter", "minimax_m2": "SigmoidTopKRouter",
-    "qwen3_moe": "SoftmaxTopKRouter", "mixtral": "SoftmaxTopKRouter", "gpt_oss": "LinearTopKSoftmaxRouter",
-}
-_MLP_ATTR = {"mixtral": "block_sparse_moe", "minimax_m2": "block_sparse_moe"}
-_KEYS = {  # family -> (experts count key, expert intermediate key)
-    "deepseek_v3": ("n_routed_experts", "moe_intermediate_size"),
-    "glm4_moe": ("n_routed_experts", "moe_intermediate_size"),
-    "qwen3_moe": ("num_experts", "moe_intermediate_size"),
-    "mixtral": ("num_local_experts", "intermediate_size"),
-    "minimax_m2": ("num_local_experts", "intermediate_size"),
-    "gpt_oss": ("num_local_experts", "intermediate_size"),
-}
+# Published Eagle3 heads are Llama layers: Llama's rotary defaults (base 10000, the full head).
+_LLAMA_ROPE_DEFAULTS = {"rope_theta": 10000.0}
 
 
 def _experts_spec(decl: Declaration, c: dict) -> str:
     """MoeLayerSpec arguments in terms of the inlined constants. The registry resolved each layer against
     `family.shape(config)`; the template's constants come from `normalize`: both must say the same."""
-    shape = decl.family.shape(decl.config)
-    experts_key, intermediate_key = _KEYS[decl.family.name]
-    inlined = (c["hidden_size"], c[intermediate_key], c[experts_key], c["num_experts_per_tok"])
+    spec = decl.family
+    shape = spec.shape(decl.config)
+    inlined = (c["hidden_size"], c[spec.intermediate_key], c[spec.experts_key], c["num_experts_per_tok"])
     resolved = (shape.hidden_size, shape.intermediate_size, shape.num_experts, shape.top_k)
     if inlined != resolved:
         from codegen.errors import GenerationError
@@ -65,41 +54,17 @@ def _literal(value, width: int = 100) -> str:
     return "(\n" + "".join(f"    {l.rstrip()}\n" for l in lines) + ")"
 
 
-def _ignored(decl: Declaration) -> tuple[str, ...]:
-    """The draft's tensors live in the checkpoint beside the target's; the target build skips exactly
-    those (one pattern per draft layer: a broader one would hide a misnamed tensor of the target)."""
-    family = decl.family
-    count = family.num_draft_layers(decl.config) if family.draft_experts_prefix else 0
-    if not count:
-        return ()
-    base = decl.config["num_hidden_layers"]
-    if family.draft_experts_prefix.startswith("model.layers."):
-        return tuple(f"model.layers.{base + k}.*" for k in range(count))
-    # A separate tree (MiniMax-M2's `model.mtp_modules.{k}`): everything under each module.
-    module = family.draft_experts_prefix.split("{k}")[0]
-    return tuple(f"{module}{k}.*" for k in range(count))
-
-
-def _architecture(family: str, c: dict, plan: BuildPlan) -> list[str]:
+def _architecture(spec: FamilySpec, c: dict, plan: BuildPlan) -> list[str]:
     """What the file builds, in two or three lines: its layers and experts, its attention and rotary."""
     moe = tuple(l.index for l in plan.layers if l.kind == "moe")
     dense = tuple(l.index for l in plan.layers if l.kind != "moe")
-    experts_key, _ = _KEYS[family]
     layers = f"{len(plan.layers)} decoder layers, " + ("all MoE" if not dense else f"MoE {span(moe)}, dense {span(dense)}")
-    shared = f" + {c['n_shared_experts']} shared" if family in _SHARED_EXPERTS else ""
+    shared = f" + {c['n_shared_experts']} shared" if spec.shared_experts else ""
     rope = c["rope"]
     base = int(rope["base"]) if float(rope["base"]).is_integer() else rope["base"]
     scaled = f" {rope['scaling']} x{rope['factor']:g}" if rope["scaling"] != "default" else ""
-    if family == "deepseek_v3":
-        attention = f"MLA attention, {c['num_attention_heads']} heads"
-        rotary = f"rotary{scaled} on the {rope['rotary_dim']} rope dims (base {base})"
-    else:
-        attention = f"GQA attention, {c['num_attention_heads']} query / {c['num_key_value_heads']} key-value heads of {c['head_dim']}"
-        windows = sorted({w for w in c["sliding_windows"] if w is not None})
-        if windows:
-            attention += ", sliding window " + ", ".join(str(w) for w in windows) + (" on alternate layers" if None in c["sliding_windows"] else "")
-        rotary = f"rotary{scaled} on {rope['rotary_dim']} of {c['head_dim']} dims (base {base})"
-    first = f"{layers}; {c[experts_key]} routed experts, top-{c['num_experts_per_tok']}{shared}."
+    attention, rotary = spec.describe_attention(c, f"rotary{scaled}", base)
+    first = f"{layers}; {c[spec.experts_key]} routed experts, top-{c['num_experts_per_tok']}{shared}."
     if len(attention) + len(rotary) < 100:
         return [first, f"{attention}; {rotary}."]
     return [first, f"{attention};", f"{rotary}."]
@@ -118,19 +83,19 @@ def _summary(plan: BuildPlan) -> list[str]:
 
 
 def _context(decl: Declaration, plan: BuildPlan, registry: Registry, generic: bool) -> dict:
-    family = decl.family.name
-    experts_key, intermediate_key = _KEYS[family]
+    spec = decl.family
+    family = spec.name
     c = normalize(family, decl.config, f"model {decl.model.name}")
     has_dense = any(l.kind != "moe" for l in plan.layers)
-    ops = set(_OPS) | set(_ATTENTION.get(family, ("GQAttention",)))
-    if has_dense or family in _SHARED_EXPERTS:
+    ops = set(_OPS) | set(spec.attention_ops)
+    if has_dense or spec.shared_experts:
         ops.add("MLP")
     impls = sorted({l.impl for l in plan.layers if l.impl})
     imports: dict[str, list[str]] = {}
     for impl_id in impls:
         impl = registry.impl(impl_id)
         imports.setdefault(impl.module, []).append(impl.class_name)
-    experts_per_rank = decl.family.shape(decl.config).num_experts // plan.layout[2] if plan.layout else None
+    experts_per_rank = spec.shape(decl.config).num_experts // plan.layout[2] if plan.layout else None
     return dict(
         plan=plan,
         experts_per_rank=experts_per_rank,
@@ -138,21 +103,22 @@ def _context(decl: Declaration, plan: BuildPlan, registry: Registry, generic: bo
         generic=generic,
         c=c,
         has_dense=has_dense,
-        experts_key=experts_key,
-        intermediate_key=intermediate_key,
-        mlp_attr=_MLP_ATTR.get(family, "mlp"),
+        experts_key=spec.experts_key,
+        intermediate_key=spec.intermediate_key,
+        mlp_attr=spec.mlp_attr,
         ops_imports=sorted(ops, key=lambda name: (name[0].islower(), name)),
-        router_class=_ROUTER[family],
+        router_class=spec.router,
         experts_imports=sorted((m, sorted(set(n))) for m, n in imports.items()),
         implementations=[(i, registry.impl(i).class_name, registry.impl(i).family) for i in impls],
         cpu_impls=tuple(i for i in impls if registry.impl(i).cpu),
         honored=_literal(plan.moe_impls_honored if not isinstance(plan.moe_impls_honored, list) else tuple(plan.moe_impls_honored)),
         draft_honored=_literal(plan.draft_moe_impls_honored if not isinstance(plan.draft_moe_impls_honored, list) else tuple(plan.draft_moe_impls_honored)),
-        ignored=_ignored(decl),
+        # The draft's tensors live in the checkpoint beside the target's: the target build skips exactly those.
+        ignored=spec.draft_ignore(decl.config),
         experts_spec=_experts_spec(decl, c),
         rope_literal=_literal(c["rope"]),
         windows_literal=_literal(c["sliding_windows"]),
-        architecture=_architecture(family, c, plan),
+        architecture=_architecture(spec, c, plan),
     )
 
 
@@ -160,7 +126,7 @@ def render_modeling(decl: Declaration, plan: BuildPlan, registry: Registry, comm
     path = f"{plan.model}/{plan.target}/modeling.py"
     context = _context(decl, plan, registry, generic=False)
     title = f"{plan.target}: {plan.model} ({plan.family}), its MoE kernels pre-bound for sm_{plan.sm}."
-    return render_python(f"family/{plan.family}.py.j2", path, command, plan.fingerprint, f"Specialized build {plan.target}.",
+    return render_python(template_name(plan.family), path, command, plan.fingerprint, f"Specialized build {plan.target}.",
                          title=title, summary=context["architecture"] + [""] + _summary(plan), **context)
 
 
@@ -173,7 +139,7 @@ def render_generic(decl: Declaration, plan: BuildPlan, registry: Registry, comma
         "Serves any checkpoint, SM, parallel layout and selection of this model that no specialized build",
         "claims (RULES TG5); it runs the same request and resolution code the generator does (RULES GN1).",
     ]
-    return render_python(f"family/{plan.family}.py.j2", path, command, plan.fingerprint, f"Generic build of {plan.model}.",
+    return render_python(template_name(plan.family), path, command, plan.fingerprint, f"Generic build of {plan.model}.",
                          title=title, summary=summary, **context)
 
 
@@ -184,21 +150,18 @@ def render_draft(decl: Declaration, plan: BuildPlan, registry: Registry, command
         return _render_external(decl, plan, registry, command)
     if draft.kind == "eagle3":
         return _render_eagle3(decl, plan, command)
-    if draft.kind == "embedded_mtp" and decl.family.name == "minimax_m2":
+    spec = decl.family
+    if draft.kind == "embedded_mtp" and spec.mtp_refusal:
         from codegen.errors import GenerationError
 
-        # MiniMax-AI/MiniMax-M2 issue #47, MiniMax-M2.7 issue #16 (0 of ~1369 tensors match mtp.*), MiniMax-M2.5
-        # issue #8: the configs declare num_mtp_modules, the published checkpoints carry no MTP weights.
-        raise GenerationError(
-            f"{plan.target}: MiniMax-M2 checkpoints as published carry no MTP weights (their config's num_mtp_modules "
-            f"notwithstanding), so {draft.name} has nothing to load; declare an eagle3 or external draft for this model"
-        )
-    if draft.kind not in ("embedded_mtp", "replacement_mtp") or decl.family.name not in ("deepseek_v3", "glm4_moe"):
+        raise GenerationError(f"{plan.target}: {spec.mtp_refusal}, so {draft.name} has nothing to load; declare an eagle3 or "
+                              "external draft for this model")
+    if draft.kind not in ("embedded_mtp", "replacement_mtp") or not spec.mtp_draft:
         from codegen.errors import GenerationError
 
         raise GenerationError(
-            f"{plan.target}: the runtime builds embedded and replacement-head MTP drafts of deepseek_v3 and glm4_moe, external drafters and Eagle3 heads; "
-            f"{draft.name} is a {draft.kind} draft of family {decl.family.name}: declare the target's selection without this spec_mode"
+            f"{plan.target}: the runtime builds embedded and replacement-head MTP drafts of {mtp_families()}, external drafters and Eagle3 heads; "
+            f"{draft.name} is a {draft.kind} draft of family {spec.name}: declare the target's selection without this spec_mode"
         )
     impls = sorted({l.impl for l in draft.layers})
     imports: dict[str, list[str]] = {}
@@ -222,8 +185,6 @@ def _drafter(decl: Declaration, plan: BuildPlan) -> tuple[Declaration, BuildPlan
 
     from codegen.errors import GenerationError
     from codegen.plan import LayerPlan, camel
-    from registry.families import FAMILIES
-
     declared = next(d for d in decl.drafts if d.name == plan.draft.name)
     if not FAMILIES[declared.family].runtime:
         raise GenerationError(
@@ -253,6 +214,11 @@ def _render_external(decl: Declaration, plan: BuildPlan, registry: Registry, com
                          f"Draft of {plan.target}.", title=title, summary=summary, draft=plan.draft, **context)
 
 
+def mtp_families() -> str:
+    """The families whose embedded and replacement-head MTP drafts the runtime builds, for messages."""
+    return " and ".join(name for name, spec in FAMILIES.items() if spec.mtp_draft)
+
+
 def eagle3_aux_layers(config: dict, target_layers: int) -> tuple[int, ...]:
     """The target layers whose outputs an Eagle3 head fuses. vLLM and SGLang capture the residual stream
     entering layers `eagle_aux_hidden_state_layer_ids` (default 2, L // 2, L - 3), i.e. after the layer before
@@ -269,19 +235,18 @@ def _render_eagle3(decl: Declaration, plan: BuildPlan, command: str) -> str:
     head = {k: c[k] for k in ("vocab_size", "draft_vocab_size", "hidden_size", "target_hidden_size", "intermediate_size")}
     head |= {"num_heads": c["num_attention_heads"], "num_kv_heads": c["num_key_value_heads"], "head_dim": c["head_dim"],
              "rms_norm_eps": float(c.get("rms_norm_eps", 1e-6))}
-    # Published Eagle3 heads are Llama layers: Llama's rotary defaults (base 10000, full head), which
-    # qwen3_moe's defaults equal.
     return render_python(
         "draft_eagle3.py.j2", f"{plan.model}/{plan.target}/draft.py", command, plan.fingerprint, f"Draft of {plan.target}.",
-        plan=plan, draft=plan.draft, c=c, head=head, rope=rope(c, "qwen3_moe", c["head_dim"]),
+        plan=plan, draft=plan.draft, c=c, head=head, rope=rope(c, _LLAMA_ROPE_DEFAULTS, c["head_dim"]),
         aux_layers=eagle3_aux_layers(c, decl.config["num_hidden_layers"]),
     )
 
 
 def generic_draft(decl: Declaration):
     """The MTP draft a model's generic build constructs (resolved at load), or None: the generic build of a
-    deepseek_v3 / glm4_moe model builds its embedded or replacement-head MTP; other kinds only as a target's."""
-    if decl.family.name not in ("deepseek_v3", "glm4_moe"):
+    family whose MTP draft the runtime builds (`spec.mtp_draft`) builds its embedded or replacement-head MTP;
+    other kinds only as a target's."""
+    if not decl.family.mtp_draft:
         return None
     for draft in decl.drafts:
         count = draft.num_layers if draft.num_layers is not None else decl.family.num_draft_layers(decl.config)

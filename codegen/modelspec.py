@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from families import FAMILIES, RUNTIME_FAMILIES
 from registry import configs
-from registry.families import RUNTIME_FAMILIES
 
 # Each family's config-class defaults (transformers 5.x) for the keys its template reads, stated
-# once with each key's type (registry.configs).
+# once with each key's type (families/<family>/spec.py).
 DEFAULTS: dict[str, dict[str, Any]] = {family: configs.defaults(family) for family in RUNTIME_FAMILIES}
 
 # Raw keys that `normalize` folds into derived values (`rope`, `head_dim`, `sliding_windows`) and then
@@ -26,27 +26,26 @@ _FOLDED = ("rope_scaling", "rope_parameters", "rope_theta", "partial_rotary_fact
            "use_sliding_window", "layer_types")
 
 
-def rope_parameters(config: dict, family: str) -> dict:
+def rope_parameters(config: dict, defaults: dict, rotary_factor=None) -> dict:
     """The one rope dict transformers builds from a config, with its precedence: `rope_scaling` over
-    `rope_parameters` over the class default; inside it, its own `rope_theta`/`partial_rotary_factor`
-    over the top-level keys (MiniMax-M2's legacy `rotary_dim` counts as a top-level factor)."""
-    defaults = DEFAULTS[family]
+    `rope_parameters` over the class `defaults`; inside it, its own `rope_theta`/`partial_rotary_factor`
+    over the top-level keys (a family's legacy spelling of the factor, `rotary_factor`, counts as top-level)."""
     params = dict(config.get("rope_scaling") or config.get("rope_parameters") or defaults.get("rope_scaling") or {})
     params["rope_type"] = params.get("rope_type") or params.pop("type", None) or "default"
     params.setdefault("rope_theta", config.get("rope_theta", defaults["rope_theta"]))
     factor = config.get("partial_rotary_factor", defaults.get("partial_rotary_factor"))
-    if factor is None and family == "minimax_m2" and config.get("rotary_dim"):
-        factor = config["rotary_dim"] / config.get("head_dim", defaults["head_dim"])
+    if factor is None and rotary_factor is not None:
+        factor = rotary_factor(config, defaults)
     if factor is not None:
         params.setdefault("partial_rotary_factor", factor)
     return params
 
 
-def rope(config: dict, family: str, head_dim: int) -> dict:
-    """Rotary constants: kind, base, rotary dim and the scaling parameters (yarn / llama3)."""
-    params = rope_parameters(config, family)
+def rope(config: dict, defaults: dict, head_dim: int, rotary_factor=None, owner: str = "config") -> dict:
+    """Rotary constants: kind, base, rotary dim and the scaling parameters (yarn / llama3); `head_dim` is
+    the dimension rotary turns per head (a family's `spec.head_dim`)."""
+    params = rope_parameters(config, defaults, rotary_factor)
     kind = params["rope_type"]
-    # MLA rotates only its qk_rope_head_dim part, which `head_dim` already is for deepseek_v3.
     rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
     out = {"scaling": kind, "base": float(params["rope_theta"]), "rotary_dim": rotary_dim}
     if kind == "yarn":
@@ -63,7 +62,7 @@ def rope(config: dict, family: str, head_dim: int) -> dict:
     elif kind == "llama3":
         out |= {k: params[k] for k in ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor")}
     elif kind != "default":
-        raise ValueError(f"{family}: rope type {kind!r} is not one the runtime builds (default, yarn, llama3)")
+        raise ValueError(f"{owner}: rope type {kind!r} is not one the runtime builds (default, yarn, llama3)")
     return out
 
 
@@ -83,25 +82,13 @@ def normalize(family: str, config: dict, source: str = "the declaration") -> dic
     missing = [k for k in configs.template_keys(family) if config.get(k) is None]
     if missing:
         raise GenerationError(f"{source}: [config] lacks {', '.join(missing)}, which the {family} template reads; add it")
+    spec = FAMILIES[family]
     c = DEFAULTS[family] | dict(config)
-    if family == "deepseek_v3":
-        head_dim = c["qk_rope_head_dim"]
-    else:
-        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    head_dim = spec.head_dim(c)
+    if spec.stores_head_dim:
         c["head_dim"] = head_dim
-    c["rope"] = rope(config, family, head_dim)
-    layers = c["num_hidden_layers"]
-    if family == "gpt_oss":
-        # gpt-oss alternates sliding and full attention, starting with sliding, unless layer_types says.
-        types = c.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-        c["sliding_windows"] = tuple(c["sliding_window"] if t == "sliding_attention" else None for t in types)
-    elif family == "qwen3_moe":
-        c["sliding_windows"] = (c["sliding_window"] if c["use_sliding_window"] else None,) * layers
-    elif family == "mixtral":
-        c["sliding_windows"] = (c["sliding_window"],) * layers
-    else:
-        # GLM-4 MoE, MiniMax-M2 and DeepSeek-V3 attend over the whole context whatever the config says.
-        c["sliding_windows"] = (None,) * layers
+    c["rope"] = rope(config, DEFAULTS[family], head_dim, spec.rotary_factor, family)
+    c["sliding_windows"] = spec.sliding_windows(c)
     for key in _FOLDED:
         c.pop(key, None)
     return c

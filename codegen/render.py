@@ -19,6 +19,7 @@ import jinja2
 from codegen.errors import GenerationError
 from codegen.headers import normalize, printable, python_header
 from codegen.plan import layer_runs
+from families import ROOT as FAMILY_TEMPLATES
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 
@@ -68,7 +69,8 @@ def py_block(value, indent: int = 0, width: int = 110) -> str:
 @functools.lru_cache(maxsize=1)
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+        # The base templates, then each family's folder (`<family>/modeling.py.j2`).
+        loader=jinja2.FileSystemLoader([str(TEMPLATES), str(FAMILY_TEMPLATES)]),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,

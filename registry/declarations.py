@@ -14,10 +14,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from families import FAMILIES
+from families.base import FamilySpec
 from registry.configs import CONFIGS, ConfigError, validate_config
 from registry.eligibility import Deployment, eligibility
 from registry.errors import DeclarationError, MoegenError
-from registry.families import FAMILIES, FamilySpec
 from registry.formats import CHECKPOINT_ALGOS, CheckpointQuant, expert_format
 from registry.impls import AUTO, Registry, load_registry
 from registry.inputs import read_toml

@@ -60,6 +60,7 @@ class Launcher:
         (names and shapes only, so even a build bound to GPU-only kernels writes it on a CPU host), plus the
         tensors of the one-rank specialized build's embedded MTP draft where it has one (the builds that do not run the
         draft ignore them, as they ignore a real checkpoint's MTP layers)."""
+        from families import FAMILIES
         from registry.errors import MoegenError
         from registry.router import facts_from_literal, matching
         from runtime.checkpoint.writer import random_tensors, save_checkpoint
@@ -70,12 +71,13 @@ class Launcher:
             whole = generic.MODEL_CLASS(checkpoint=checkpoint_name, sm=sm, parallel="tp1", device="meta")
         except MoegenError as e:
             raise ValueError(str(e)) from None
-        tensors = random_tensors(whole, generic.FAMILY, seed)
+        storage = FAMILIES[generic.FAMILY].experts_storage
+        tensors = random_tensors(whole, storage, seed)
         for target in matching(self.builds.index, facts_from_literal(facts.FACTS[checkpoint_name]), sm, "tp1"):
             # Only an embedded MTP keeps its tensors in the target's folder (the other drafts have their own).
             if target["draft"] is not None and target["draft"]["kind"] == "embedded_mtp":
                 draft = self.builds.module(target["draft"]["module"])
-                tensors.update(random_tensors(draft.DRAFT_CLASS(device="meta"), generic.FAMILY, seed + 1))
+                tensors.update(random_tensors(draft.DRAFT_CLASS(device="meta"), storage, seed + 1))
         return save_checkpoint(tensors, folder, facts.CONFIG)
 
     def main(self, argv=None):

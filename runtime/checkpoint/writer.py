@@ -24,26 +24,18 @@ from runtime.checkpoint.loader import find_experts_modules
 from runtime.checkpoint.reader import CONFIG_FILE, SINGLE_FILE
 from runtime.experts.base import WEIGHT_FAMILY, random_source
 
-# How each family stores its routed experts (the table in experts_sources.py). gpt-oss keeps one fused
-# tensor per projection: the hub's MXFP4 blocks/scales, or what transformers saves for bf16.
-FAMILY_EXPERTS_LAYOUT = {
-    "deepseek_v3": "gate_up_down",
-    "glm4_moe": "gate_up_down",
-    "qwen3_moe": "gate_up_down",
-    "mixtral": "w1_w3_w2",
-    "minimax_m2": "w1_w3_w2",
-    "gpt_oss": "gpt_oss",
-}
+# The experts storages a family's spec names (`experts_storage`): per-expert tensors named as in
+# experts_sources.py, or one fused tensor per projection (the hub's MXFP4 blocks/scales, or what
+# transformers saves for bf16), whose layout depends on the run format.
+STORAGES = ("gate_up_down", "w1_w3_w2", "fused_gate_up")
 
 
-def experts_layout(family: str, fmt: str) -> str:
-    """The `experts_sources.LAYOUTS` entry a checkpoint of `family` stores experts of run format `fmt` in."""
-    if family not in FAMILY_EXPERTS_LAYOUT:
-        known = ", ".join(sorted(FAMILY_EXPERTS_LAYOUT))
-        raise ValueError(f"no known experts storage layout for family {family!r}; known: {known}")
-    layout = FAMILY_EXPERTS_LAYOUT[family]
-    if layout != "gpt_oss":
-        return layout
+def experts_layout(storage: str, fmt: str) -> str:
+    """The `experts_sources.LAYOUTS` entry a checkpoint of experts `storage` keeps experts of run format `fmt` in."""
+    if storage not in STORAGES:
+        raise ValueError(f"no known experts storage {storage!r}; known: {', '.join(STORAGES)}")
+    if storage != "fused_gate_up":
+        return storage
     family_of_format = WEIGHT_FAMILY[fmt]
     if family_of_format not in ("bf16", "mxfp4"):
         raise ValueError(f"gpt-oss checkpoints hold bf16 or MXFP4 experts, not {fmt}")
@@ -93,8 +85,9 @@ def stored_expert_tensors(canonical: Mapping[tuple[int, str, str], torch.Tensor]
     raise ValueError(f"unknown experts layout {layout!r}")
 
 
-def random_tensors(model: nn.Module, family: str, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
-    """Every checkpoint tensor a one-rank build reads, random (never zeros for weights), on the CPU."""
+def random_tensors(model: nn.Module, storage: str, seed: int = 0, std: float = 0.02) -> dict[str, torch.Tensor]:
+    """Every checkpoint tensor a one-rank build reads, random (never zeros for weights), on the CPU; routed
+    experts in the family's experts `storage` (its spec's `experts_storage`)."""
     experts = find_experts_modules(model)
     for name, module in experts.items():
         parallel = getattr(module, "parallel", None)
@@ -117,7 +110,7 @@ def random_tensors(model: nn.Module, family: str, seed: int = 0, std: float = 0.
         module = experts[prefix]
         spec, fmt = module.spec, module.FORMAT
         source = random_source(spec, fmt, range(spec.num_experts), gen, std=std)
-        out.update(stored_expert_tensors(source.tensors, spec.num_experts, experts_layout(family, fmt), prefix))
+        out.update(stored_expert_tensors(source.tensors, spec.num_experts, experts_layout(storage, fmt), prefix))
     return out
 
 
@@ -130,8 +123,3 @@ def save_checkpoint(tensors: Mapping[str, torch.Tensor], path: str | Path, confi
         (path / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return path
 
-
-def write_random_checkpoint(model: nn.Module, path: str | Path, family: str, seed: int = 0,
-                            config: dict | None = None) -> Path:
-    """A checkpoint folder at `path` with seeded random weights for the one-rank build `model`."""
-    return save_checkpoint(random_tensors(model, family, seed), path, config)

@@ -19,21 +19,16 @@ from pathlib import Path
 
 import torch
 
+from families import RUNTIME_FAMILIES
+
 ROOT = Path(__file__).resolve().parents[2]
 GENERATED = ROOT / "generated"
 _TMP = Path(tempfile.mkdtemp(prefix="moegen-generated-tests-"))
 atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
 
-# One tiny declared model per runtime family: the models the parity tests run (RULES: the oracle is
-# transformers' implementation of the family).
-TINY = {
-    "deepseek_v3": "tiny_deepseek_v3",
-    "qwen3_moe": "tiny_qwen3_moe",
-    "mixtral": "tiny_mixtral",
-    "gpt_oss": "tiny_gpt_oss",
-    "glm4_moe": "tiny_glm4_moe",
-    "minimax_m2": "tiny_minimax_m2",
-}
+# One tiny declared model per runtime family, `tiny_<family>`: the models the parity tests run (RULES:
+# the oracle is transformers' implementation of the family; tests/test_families.py checks each is declared).
+TINY = {family: f"tiny_{family}" for family in RUNTIME_FAMILIES}
 
 
 def module_name(path: Path) -> str:

@@ -14,7 +14,7 @@ import torch
 
 from codegen.import_checkpoint import declaration_config
 from codegen.modelspec import DEFAULTS, normalize
-from registry.families import RUNTIME_FAMILIES
+from families import RUNTIME_FAMILIES
 from runtime.ops import RotaryEmbedding
 from tests.generated import builds
 
@@ -38,6 +38,15 @@ def _hf_windows(family: str, hc) -> tuple:
     return (None,) * hc.num_hidden_layers  # DeepSeek-V3, GLM-4 MoE and MiniMax-M2 have no sliding window
 
 
+# Constants of the family templates and the transformers config attribute each inlines.
+_CONSTANT_KEYS = {
+    "VOCAB_SIZE": "vocab_size", "HIDDEN_SIZE": "hidden_size", "NUM_HEADS": "num_attention_heads",
+    "NUM_KV_HEADS": "num_key_value_heads", "NORM_TOPK_PROB": "norm_topk_prob", "ATTENTION_BIAS": "attention_bias",
+    "N_GROUP": "n_group", "TOPK_GROUP": "topk_group", "NUM_SHARED_EXPERTS": "n_shared_experts",
+    "ROUTED_SCALING_FACTOR": "routed_scaling_factor", "RMS_NORM_EPS": "rms_norm_eps",
+}
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_the_inlined_constants_mean_what_transformers_reads_from_the_same_keys(model):
     family = builds.facts(model).FAMILY
@@ -46,7 +55,8 @@ def test_the_inlined_constants_mean_what_transformers_reads_from_the_same_keys(m
     rope = hc.rope_parameters
 
     # Rotary: kind, base, rotated dims, and the tables themselves (YaRN's ramp and attention factor).
-    head_dim = hc.qk_rope_head_dim if family == "deepseek_v3" else hc.head_dim or hc.hidden_size // hc.num_attention_heads
+    # (OLMoE's config class has no head_dim attribute at all: transformers falls back the same way.)
+    head_dim = hc.qk_rope_head_dim if family == "deepseek_v3" else getattr(hc, "head_dim", None) or hc.hidden_size // hc.num_attention_heads
     assert (ours.ROPE["scaling"], ours.ROPE["base"]) == (rope["rope_type"], rope["rope_theta"])
     assert ours.ROPE["rotary_dim"] == int(head_dim * rope.get("partial_rotary_factor", 1.0))
     theirs = _hf_class(family, "RotaryEmbedding")(hc)
@@ -80,6 +90,10 @@ def test_the_inlined_constants_mean_what_transformers_reads_from_the_same_keys(m
         assert ours.QK_NORM == ("head" if hc.use_qk_norm else "none")
     if family == "gpt_oss":
         assert ours.EXPERTS_SPEC.swiglu_limit == hc.swiglu_limit
+    # Any family (one added later included): a constant the build inlines equals the config attribute it comes from.
+    for constant, key in _CONSTANT_KEYS.items():
+        if hasattr(ours, constant) and hasattr(hc, key):
+            assert getattr(ours, constant) == getattr(hc, key), (constant, key)
 
 
 @pytest.mark.parametrize("family", sorted(builds.TINY))

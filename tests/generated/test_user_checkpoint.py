@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from codegen.import_checkpoint import import_checkpoint
+from families import RUNTIME_FAMILIES
 from registry.declarations import load_declaration
 from registry.errors import DeclarationError
 from tests.generated import builds
@@ -94,8 +95,9 @@ def test_import_refuses_an_architecture_the_runtime_does_not_build_listing_the_f
         import_checkpoint(folder, None, None)
     assert str(refused.value) == (
         f"{folder}: architecture {architecture} is not supported; the runtime builds the families "
-        "deepseek_v3, glm4_moe, qwen3_moe, mixtral, gpt_oss, minimax_m2"
+        + ", ".join(RUNTIME_FAMILIES)   # one folder each under families/, with a template
     )
+    assert RUNTIME_FAMILIES[:4] == ("deepseek_v3", "glm4_moe", "gpt_oss", "minimax_m2") and "qwen3_next" not in RUNTIME_FAMILIES
 
 
 def test_the_command_line_refusal_is_a_message_and_exit_code_2():

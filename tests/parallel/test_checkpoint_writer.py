@@ -65,4 +65,4 @@ def test_a_sharded_build_cannot_write_a_checkpoint():
 
     module = importlib.import_module(".tiny_qwen3_moe.tiny_qwen3_moe_bf16__sm_90__tp2.modeling", "generated")
     with pytest.raises(ValueError, match="write a checkpoint from a one-rank \\(tp1\\) build"):
-        random_tensors(module.MODEL_CLASS(device="meta", rank=0), "qwen3_moe")
+        random_tensors(module.MODEL_CLASS(device="meta", rank=0), "gate_up_down")

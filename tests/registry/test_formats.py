@@ -12,7 +12,7 @@ import json
 import pytest
 
 from registry.errors import DeclarationError, ResolutionError
-from registry.families import FAMILIES
+from families import FAMILIES
 from registry.formats import CheckpointQuant, LayerFormat, expert_format, mxfp4_run_format, run_format
 from registry.model_resolve import resolve_model
 from registry.quant_meta import quant_from_hf_quant_config, quant_from_quantization_config, read_checkpoint_quant
