@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from runtime.decoding import Generation, batch_bucket, length_bucket, sync
+from runtime.graphs import capture
 
 log = logging.getLogger("moegen")
 
@@ -272,29 +273,11 @@ class SpeculativeDecoder:
         self.graphs[name].replay()
 
     def _capture(self, phase) -> torch.cuda.CUDAGraph:
-        # Warm up outside the capture (allocator, cuBLAS, kernel compilation) with the state saved and
-        # restored: the warm-up's cache writes are the ones the first replay repeats.
+        # The warm-up's draws must not advance the generator either, or a seeded run that captures
+        # would draw other numbers than one that only replays: `capture` restores it too.
         state = [self.tokens, self.pos, self.emitted, self.kept, self.ties, self.draft_tokens,
                  self.draft_pos, self.draft_sel] + ([self.draft_hidden] if self.draft_hidden is not None else [])
-        saved = [t.clone() for t in state]
-        # The warm-up's draws must not advance the generator either, or a seeded run that captures
-        # would draw other numbers than one that only replays.
-        rng = self.generator.get_state() if self.generator is not None else None
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            phase()
-        torch.cuda.current_stream().wait_stream(side)
-        for t, s in zip(state, saved):
-            t.copy_(s)
-        if rng is not None:
-            self.generator.set_state(rng)
-        graph = torch.cuda.CUDAGraph()
-        if self.generator is not None:
-            graph.register_generator_state(self.generator)
-        with torch.cuda.graph(graph):
-            phase()
-        return graph
+        return capture(phase, state, self.generator)[0]
 
     @torch.no_grad()
     def round(self) -> tuple[torch.Tensor, int]:
