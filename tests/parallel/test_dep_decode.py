@@ -17,9 +17,9 @@ import torch
 import generated
 from generated import run
 from runtime import parallel
-from runtime.launch import launch
 from runtime.ops import MoEBlock
 from runtime.parallel import CapacityError, Layout
+from runtime.processes import launch
 from tests.parallel import common
 from tests.parallel.test_ep_all_to_all import COUNTS, H, _block, _tokens
 
