@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from runtime import parallel
+from runtime.graphs import capture
+
 # Buckets: a decoder (and its graph) is made per batch rounded up to a power of two and per length
 # rounded up to a multiple of LENGTH_BUCKET, so nearby requests reuse one capture.
 LENGTH_BUCKET = 256
@@ -70,23 +73,15 @@ class Decoder:
         return self.logits
 
     def _step(self) -> torch.Tensor:
-        logits = self.model(self.ids, self.position, self.caches)[:, -1]
+        # The bucket's rows fix the MoE exchange of data-parallel layouts (runtime.ops.moe): fixed shapes,
+        # no host sync, so the step captures.
+        with parallel.token_capacity(self.batch_size):
+            logits = self.model(self.ids, self.position, self.caches)[:, -1]
         self.position.add_(1)
         return logits
 
     def _capture(self) -> None:
-        # Warm up outside the capture (allocator, cuBLAS handles, kernel compilation). The warm-up writes
-        # the cache slot at the current position with the current ids, which the first replay rewrites
-        # with the same values; its position increment is undone.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._step()
-            self.position.sub_(1)
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._step()
+        self.graph, self.logits = capture(self._step, state=(self.position,))
 
 
 @dataclass
@@ -162,6 +157,10 @@ class CausalLM(nn.Module):
     def decoder(self, batch_size: int, max_seq_len: int) -> Decoder:
         """The decoder of the bucket that holds `batch_size` rows of `max_seq_len` positions (made once)."""
         key = (batch_bucket(batch_size), length_bucket(max_seq_len))
+        layout = getattr(self, "layout", None)
+        if layout is not None and layout.dp > 1:
+            # Every replica's step exchanges blocks of its bucket's rows: all must choose the same bucket.
+            parallel.check_same_tokens(key[0], type(self).__name__, self.device)
         decoders = self.__dict__.setdefault("_decoders", {})
         if key not in decoders:
             decoders[key] = Decoder(self, *key)

@@ -18,6 +18,7 @@ side by side) without one build reducing over the other's groups.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import os
@@ -41,6 +42,10 @@ _timeout_s: float | None = None
 
 class LayoutError(ValueError):
     """A build's layout does not fit the torch.distributed world it runs in; the message names both."""
+
+
+class CapacityError(ValueError):
+    """More tokens than a fixed-capacity MoE exchange holds, or ranks that disagree on its capacity."""
 
 
 @dataclass(frozen=True)
@@ -327,3 +332,47 @@ def exchange_counts(send_counts: torch.Tensor, group=WORLD) -> list[int]:
 def group_rank(group=TP) -> int:
     size, pg = _resolve(group)
     return 0 if size == 1 else dist.get_rank(pg)
+
+
+# -- fixed-capacity token exchange (a captured decode step) --------------------------------------------
+
+# Tokens per rank every MoE exchange of a data-parallel layout holds while a decode step runs (None: the
+# exchange sizes itself from counts it reads back, as prefill does). Read when the step is traced (eager,
+# or once while a CUDA graph captures it), so a replay has fixed shapes and no host sync.
+_capacity: int | None = None
+
+
+@contextlib.contextmanager
+def token_capacity(tokens: int):
+    """Inside: every rank holds at most `tokens` tokens per forward (its decode bucket), and the MoE
+    exchange of a data-parallel layout moves fixed blocks of that many rows per rank."""
+    global _capacity
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ValueError(f"a token capacity is a positive int, got {tokens!r}")
+    outer, _capacity = _capacity, tokens
+    try:
+        yield
+    finally:
+        _capacity = outer
+
+
+def capacity() -> int | None:
+    """The token capacity `token_capacity` set, or None outside it."""
+    return _capacity
+
+
+def check_same_tokens(tokens: int, build: str, device) -> None:
+    """Refuse, on every rank alike, ranks whose decode buckets differ: the fixed-capacity exchange needs
+    one block size on every rank. A host sync over the world: call it outside any CUDA graph capture."""
+    size, pg = _resolve(WORLD)
+    if size == 1:
+        return
+    mine = torch.tensor([tokens], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(every, mine, group=pg)
+    counts = torch.cat(every).tolist()
+    if len(set(counts)) > 1:
+        raise CapacityError(
+            f"{build}: the ranks decode batch buckets of {', '.join(map(str, counts))} rows (in rank order); "
+            f"the MoE exchange moves fixed blocks of one bucket's rows per rank, so every data-parallel "
+            f"replica must decode the same bucket: give each replica the same number of rows")

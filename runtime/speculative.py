@@ -1,19 +1,8 @@
 """Speculative decoding (RULES SD1-SD3): a draft proposes `k` tokens, the target verifies them in one forward over its static cache, and the agreeing prefix plus the target's own next token is kept.
 
-The draft interface every draft build presents (SD2):
-
-- `INPUT`: `"hidden"` (embedded MTP: the target's final-norm hidden states, what its head reads),
-  `"aux_hidden"` (Eagle3: the outputs of the target layers `AUX_LAYERS`, concatenated), or `"tokens"`
-  (an external drafter: tokens only; `ExternalDrafter` wraps a whole `CausalLM` build this way);
-- `new_caches(batch_size, max_seq_len)`: a list of caches; draft step `j` uses `caches[j % len]`;
-- `forward(next_token_ids [B, S], target_hidden [B, S, *] | None, positions [S], cache, step=0)
-  -> (logits [B, S, V_draft], hidden [B, S, H])`: the entry at position `i` reads the token at `i + 1`
-  and the target's hidden state at `i`, and predicts the token at `i + 2`; later steps read the
-  draft's own hidden output instead of the target's;
-- `to_target_ids(ids)`: draft-vocabulary ids to target ids (identity when absent).
-
 One round, for every row at once (the rows share positions, so a round keeps the smallest agreeing
-prefix over the rows; each row's kept tokens are still its target's own tokens):
+prefix over the rows; each row's kept tokens are still its target's own tokens; the draft interface is
+in runtime/drafts.py, the acceptance math in runtime/acceptance.py):
 
 1. draft phase: one forward over the previous verify block (`k + 1` entries: catches the draft's cache
    up with what the target accepted, and gives the first proposal at the accepted index), then `k - 1`
@@ -37,12 +26,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from runtime.acceptance import accept_sampled, draw, near_ties, nucleus
 from runtime.decoding import Generation, batch_bucket, length_bucket, sync
+from runtime.drafts import ExternalDrafter, draft_input, vocab_size
+from runtime.graphs import capture
 
 log = logging.getLogger("moegen")
-
-INPUTS = ("hidden", "aux_hidden", "tokens")
-
 
 @dataclass(frozen=True)
 class Speculation:
@@ -83,46 +72,6 @@ class SpeculativeGeneration(Generation):
                 f"{self.near_ties} near-tie tokens")
 
 
-def vocab_size(model) -> int:
-    """A CausalLM build's vocabulary (all tensor-parallel shards of its embedding)."""
-    embed = model.model.embed_tokens
-    return embed.local_vocab * embed.tp_size
-
-
-class ExternalDrafter:
-    """A whole `CausalLM` build (same tokenizer) as a draft: fed only tokens, its entry `i` of the draft
-    interface is its own position `i + 1` (it reads the token there and predicts the next)."""
-
-    INPUT = "tokens"
-
-    def __init__(self, model, target) -> None:
-        ours, theirs = vocab_size(target), vocab_size(model)
-        if ours != theirs:
-            raise ValueError(
-                f"the external drafter {type(model).__name__} has a vocabulary of {theirs} ids and the target "
-                f"{type(target).__name__} of {ours}: a drafter must share the target's tokenizer (RULES SD2)")
-        self.model = model
-
-    def new_caches(self, batch_size, max_seq_len):
-        # One position more than the interface's: the drafter also holds the prompt's first token.
-        return [self.model.new_caches(batch_size, max_seq_len + 1)]
-
-    def prefill(self, input_ids, target_hidden, caches):
-        """The whole prompt at the drafter's positions `0 .. n-1` (the interface's `-1 .. n-2`)."""
-        self.model(input_ids, torch.arange(input_ids.shape[1], device=input_ids.device), caches[0])
-
-    def forward(self, next_token_ids, target_hidden, positions, cache, step=0):
-        hidden = self.model.hidden_states(next_token_ids, positions + 1, cache)
-        return self.model.lm_head(hidden), hidden
-
-
-def _draft_input(draft) -> str:
-    kind = getattr(draft, "INPUT", None)
-    if kind not in INPUTS:
-        raise ValueError(f"{type(draft).__name__}.INPUT is {kind!r}; a draft declares one of {', '.join(INPUTS)}")
-    return kind
-
-
 class SpeculativeDecoder:
     """Target and draft caches for `batch_size` rows of `max_seq_len` positions, and the two phases of a
     round (captured as CUDA graphs on CUDA, eager elsewhere). Greedy: the draft proposes its argmax and
@@ -135,7 +84,7 @@ class SpeculativeDecoder:
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"the draft proposes at least 1 token per round (--draft-tokens), got {k!r}")
         self.target, self.draft, self.k = target, draft, k
-        self.input = _draft_input(draft)
+        self.input = draft_input(draft)
         self.aux_layers = tuple(getattr(draft, "AUX_LAYERS", ())) if self.input == "aux_hidden" else ()
         self.to_target = getattr(draft, "to_target_ids", None)
         device = target.device
@@ -272,29 +221,11 @@ class SpeculativeDecoder:
         self.graphs[name].replay()
 
     def _capture(self, phase) -> torch.cuda.CUDAGraph:
-        # Warm up outside the capture (allocator, cuBLAS, kernel compilation) with the state saved and
-        # restored: the warm-up's cache writes are the ones the first replay repeats.
+        # The warm-up's draws must not advance the generator either, or a seeded run that captures
+        # would draw other numbers than one that only replays: `capture` restores it too.
         state = [self.tokens, self.pos, self.emitted, self.kept, self.ties, self.draft_tokens,
                  self.draft_pos, self.draft_sel] + ([self.draft_hidden] if self.draft_hidden is not None else [])
-        saved = [t.clone() for t in state]
-        # The warm-up's draws must not advance the generator either, or a seeded run that captures
-        # would draw other numbers than one that only replays.
-        rng = self.generator.get_state() if self.generator is not None else None
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            phase()
-        torch.cuda.current_stream().wait_stream(side)
-        for t, s in zip(state, saved):
-            t.copy_(s)
-        if rng is not None:
-            self.generator.set_state(rng)
-        graph = torch.cuda.CUDAGraph()
-        if self.generator is not None:
-            graph.register_generator_state(self.generator)
-        with torch.cuda.graph(graph):
-            phase()
-        return graph
+        return capture(phase, state, self.generator)[0]
 
     @torch.no_grad()
     def round(self) -> tuple[torch.Tensor, int]:
@@ -303,56 +234,6 @@ class SpeculativeDecoder:
         self._run("verify", self._verify_phase)
         kept = int(self.kept)  # the round's one host sync
         return self.emitted[:, :kept + 1].clone(), kept
-
-
-def near_ties(logits: torch.Tensor, eps: float) -> torch.Tensor:
-    """`[..., V]` logits -> booleans `[...]`: the top two are within `eps` of the larger magnitude (at least
-    1), where another rounding of the same computation may swap the argmax (RULES SD1 in bf16)."""
-    top = logits.float().topk(2, dim=-1).values
-    return top[..., 0] - top[..., 1] <= eps * top[..., 0].abs().clamp_min(1.0)
-
-
-def nucleus(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """fp32 probabilities `[..., V]` of the tempered top-p nucleus (as `decoding.sample` draws from), in id order."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    ordered, order = probs.sort(dim=-1, descending=True)
-    # Keep the smallest prefix whose mass reaches top_p (the most likely id always stays).
-    ordered = ordered.masked_fill(ordered.cumsum(dim=-1) - ordered >= top_p, 0.0)
-    probs = torch.zeros_like(probs).scatter_(-1, order, ordered)
-    return probs / probs.sum(dim=-1, keepdim=True)
-
-
-def draw(probs: torch.Tensor, generator) -> torch.Tensor:
-    """One id per row of `probs [..., V]`: argmax(p / E), E ~ Exp(1), draws i with probability p_i (no host sync)."""
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / race).argmax(dim=-1)
-
-
-def accept_sampled(p: torch.Tensor, q: torch.Tensor, proposals: torch.Tensor, generator):
-    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023) for rows that share positions.
-
-    `p [B, k+1, V]` the target's distributions at the k+1 verified positions, `q [B, k, V]` the draft's,
-    `proposals [B, k]` drawn from `q`. Proposal j of a row is accepted with probability
-    `min(1, p_j(d) / q_j(d))`; `a` is the smallest count of leading acceptances over the rows. At index `a`
-    a row that accepted its proposal there keeps it; one that rejected it draws from the residual
-    `max(0, p_a - q_a)` renormalized, and at `a = k` every row draws from `p_k`: each kept token is a draw
-    from the target's distribution. Returns the kept ids `[B, k+1]` (valid through `a`) and `a` `[1]`.
-    """
-    batch, k = proposals.shape
-    pick = proposals.unsqueeze(-1)
-    accepted = torch.rand(batch, k, device=p.device, generator=generator) * q.gather(-1, pick).squeeze(-1) \
-        < p[:, :k].gather(-1, pick).squeeze(-1)
-    agree = accepted.long().cumprod(dim=1).sum(dim=1)
-    kept = agree.min().view(1)
-    at = kept.view(1, 1).expand(batch, 1)
-    p_at = p.gather(1, at.unsqueeze(-1).expand(batch, 1, p.shape[-1])).squeeze(1)
-    q_full = torch.cat((q, q.new_zeros(batch, 1, q.shape[-1])), dim=1)  # the bonus position: residual = p_k
-    q_at = q_full.gather(1, at.unsqueeze(-1).expand(batch, 1, q.shape[-1])).squeeze(1)
-    residual = (p_at - q_at).clamp_min(0.0)
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_at)  # p == q: never rejected
-    padded = torch.cat((proposals, proposals[:, -1:]), dim=1)
-    token = torch.where(agree > kept, padded.gather(1, at).squeeze(1), draw(residual, generator))
-    return padded.scatter(1, at, token.unsqueeze(1)), kept
 
 
 def speculative_decoder(target, draft, k: int, batch_size: int, max_seq_len: int, temperature: float = 0.0,

@@ -1,41 +1,29 @@
-"""The contract every experts implementation shares: layer spec, parallel slice, weight source, loading.
+"""The contract every experts implementation shares: the layer spec, this rank's parallel slice, and the base class that loads weights.
 
 docs/runtime.md ("Experts implementations") is the specification. An implementation subclasses
 `ExpertsBase` and supplies its buffer layout (`_buffer_specs`), how canonical checkpoint tensors
 become those buffers (`_convert`), and `forward`. The base class validates every source tensor
 before reading any, reads only this rank's slices, and swaps the new values in only once all of them
-have been read and converted, so a failed load leaves the module as it was.
+have been read and converted, so a failed load leaves the module as it was. Builds and
+implementations import the contract from here: the canonical tensors (`canonical.py`) and the weight
+sources (`sources.py`) are re-exported.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import ClassVar, Mapping, Protocol
+from typing import ClassVar, Mapping
 
 import torch
 
 from ..activations import ACTIVATIONS, GATED
 from ..formats import RUN_FORMATS
-from ..formats.fp8 import WEIGHT_BLOCK, dequantize_weight_blocks
-from ..formats.mxfp4 import MX_BLOCK, dequantize_mxfp4
-from ..formats.nvfp4 import NVFP4_BLOCK, dequantize_nvfp4
+from .canonical import (  # noqa: F401 - re-exported: the contract's names
+    DIM_UNIT, PLAIN_FLOATS, SHARD_UNIT, WEIGHT_FAMILY, WEIGHT_KINDS, CanonicalTensor, canonical_tensors,
+    dequantize_canonical,
+)
+from .sources import DictExpertSource, ExpertTensorSource, random_source  # noqa: F401 - re-exported
 
-# Run format -> the checkpoint tensors it reads. The three MXFP4 run formats read the same tensors.
-WEIGHT_FAMILY = {
-    "bf16": "bf16",
-    "fp8_block_scales": "fp8",
-    "w4a16_mxfp4": "mxfp4", "w4a8_mxfp4_fp8": "mxfp4", "w4a8_mxfp4_mxfp8": "mxfp4",
-    "w4a16_nvfp4": "nvfp4", "nvfp4": "nvfp4",
-}
-# Scale granularity along the input dim: hidden and intermediate sizes must be multiples of it.
-_DIM_UNIT = {"bf16": 1, "fp8": 1, "mxfp4": MX_BLOCK, "nvfp4": NVFP4_BLOCK}
-# A MoE-TP shard of the intermediate dim must start on a scale boundary of both the gate/up rows
-# (fp8 blocks span 128 rows) and the down columns.
-_SHARD_UNIT = {"bf16": 1, "fp8": WEIGHT_BLOCK, "mxfp4": MX_BLOCK, "nvfp4": NVFP4_BLOCK}
 _MAX_LISTED_PROBLEMS = 20
-# Unquantized expert tensors (bf16-family weights, biases) come in any of these: transformers saves
-# fp32 by default, hub checkpoints are bf16. Between them the value is cast to what the module keeps.
-PLAIN_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class WeightLoadError(ValueError):
@@ -117,154 +105,6 @@ class ExpertParallel:
         return slice(self.moe_tp_rank * shard, (self.moe_tp_rank + 1) * shard)
 
 
-class ExpertTensorSource(Protocol):
-    """Canonical expert tensors of one MoE layer (docs/runtime.md gives the table of kinds)."""
-
-    def name(self, expert: int, proj: str, kind: str) -> str: ...
-
-    def shape(self, expert: int, proj: str, kind: str) -> tuple[int, ...] | None: ...
-
-    def dtype(self, expert: int, proj: str, kind: str) -> torch.dtype: ...
-
-    def get(self, expert: int, proj: str, kind: str, rows: slice | None = None,
-            cols: slice | None = None) -> torch.Tensor: ...
-
-
-class DictExpertSource:
-    """An `ExpertTensorSource` over full canonical tensors held in memory, keyed (expert, proj, kind)."""
-
-    def __init__(self, tensors: Mapping[tuple[int, str, str], torch.Tensor],
-                 prefix: str = "model.layers.0.mlp.experts"):
-        self.tensors = dict(tensors)
-        self.prefix = prefix
-
-    def name(self, expert, proj, kind):
-        return f"{self.prefix}.{expert}.{proj}_proj.{kind}"
-
-    def shape(self, expert, proj, kind):
-        t = self.tensors.get((expert, proj, kind))
-        return None if t is None else tuple(t.shape)
-
-    def dtype(self, expert, proj, kind):
-        return self.tensors[expert, proj, kind].dtype
-
-    def get(self, expert, proj, kind, rows=None, cols=None):
-        t = self.tensors[expert, proj, kind]
-        if rows is not None:
-            t = t[rows]
-        if cols is not None:
-            t = t[:, cols]
-        return t
-
-
-@dataclass(frozen=True)
-class CanonicalTensor:
-    """One canonical tensor of every expert: its full checkpoint shape and this rank's slice of it."""
-    proj: str
-    kind: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    rows: slice | None = None     # in stored units; None = all
-    cols: slice | None = None
-
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        dims = list(self.shape)
-        for axis, sl in ((0, self.rows), (1, self.cols)):
-            if sl is not None:
-                dims[axis] = len(range(*sl.indices(dims[axis])))
-        return tuple(dims)
-
-
-def _scaled(sl: slice, unit: int) -> slice:
-    """An element slice of the intermediate dim in units of `unit` elements (scale blocks, packed bytes)."""
-    return slice(sl.start // unit, math.ceil(sl.stop / unit))
-
-
-def canonical_tensors(spec: MoeLayerSpec, fmt: str, inter: slice | None = None,
-                      plain: torch.dtype = torch.bfloat16) -> tuple[CanonicalTensor, ...]:
-    """The canonical tensors of one expert in run format `fmt`, sliced to the intermediate shard `inter`
-    (None: the whole expert). gate/up shard their rows, down its columns; down's bias is whole.
-    `plain` is the dtype unquantized weights and biases are kept in."""
-    family = WEIGHT_FAMILY[fmt]
-    h, i = spec.hidden_size, spec.intermediate_size
-    out = []
-    for proj in spec.projections:
-        rows_out, cols_in = (i, h) if proj != "down" else (h, i)
-        shard_rows = inter if proj != "down" else None
-        shard_cols = inter if proj == "down" else None
-
-        def add(kind, shape, dtype, unit_rows=1, unit_cols=1, scalar=False):
-            rows = None if scalar or shard_rows is None else _scaled(shard_rows, unit_rows)
-            cols = None if scalar or shard_cols is None else _scaled(shard_cols, unit_cols)
-            out.append(CanonicalTensor(proj, kind, shape, dtype, rows, cols))
-
-        if family == "bf16":
-            add("weight", (rows_out, cols_in), plain)
-        elif family == "fp8":
-            add("weight", (rows_out, cols_in), torch.float8_e4m3fn)
-            add("weight_scale_inv", (math.ceil(rows_out / WEIGHT_BLOCK), math.ceil(cols_in / WEIGHT_BLOCK)),
-                torch.float32, WEIGHT_BLOCK, WEIGHT_BLOCK)
-        elif family == "mxfp4":
-            add("weight", (rows_out, cols_in // 2), torch.uint8, 1, 2)
-            add("weight_scale", (rows_out, cols_in // MX_BLOCK), torch.uint8, 1, MX_BLOCK)
-        else:
-            add("weight", (rows_out, cols_in // 2), torch.uint8, 1, 2)
-            add("weight_scale", (rows_out, cols_in // NVFP4_BLOCK), torch.float8_e4m3fn, 1, NVFP4_BLOCK)
-            add("weight_scale_2", (), torch.float32, scalar=True)
-            if fmt == "nvfp4":
-                add("input_scale", (), torch.float32, scalar=True)
-        if spec.expert_bias:
-            rows = shard_rows if proj != "down" else None
-            out.append(CanonicalTensor(proj, "bias", (rows_out,), plain, rows, None))
-    return tuple(out)
-
-
-WEIGHT_KINDS = ("weight", "weight_scale_inv", "weight_scale", "weight_scale_2")
-
-
-def dequantize_canonical(fmt: str, parts: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The [..., out, in] weight held by canonical `parts` (kind -> tensor, optionally stacked over
-    experts), computed in fp32 and rounded once to `dtype`."""
-    family = WEIGHT_FAMILY[fmt]
-    if family == "bf16":
-        return parts["weight"].to(dtype)
-    if family == "fp8":
-        return dequantize_weight_blocks(parts["weight"], parts["weight_scale_inv"], dtype)
-    if family == "mxfp4":
-        return dequantize_mxfp4(parts["weight"], parts["weight_scale"], dtype)
-    return dequantize_nvfp4(parts["weight"], parts["weight_scale"], parts["weight_scale_2"], dtype)
-
-
-def random_source(spec: MoeLayerSpec, fmt: str, experts, generator: torch.Generator, std: float = 0.02) -> DictExpertSource:
-    """Random canonical tensors of `experts` (whole, unsharded) in run format `fmt`: bf16 weights
-    drawn normal(0, std) and quantized with the format's own codecs, so codes and scales are valid."""
-    from ..formats.fp8 import quantize_weight_blocks
-    from ..formats.mxfp4 import quantize_mxfp4
-    from ..formats.nvfp4 import quantize_nvfp4_weight
-
-    family = WEIGHT_FAMILY[fmt]
-    tensors = {}
-    for expert in experts:
-        for proj in spec.projections:
-            out_dim, in_dim = (spec.intermediate_size, spec.hidden_size) if proj != "down" else (spec.hidden_size, spec.intermediate_size)
-            w = torch.randn(out_dim, in_dim, generator=generator) * std
-            if family == "bf16":
-                parts = {"weight": w.to(torch.bfloat16)}
-            elif family == "fp8":
-                parts = dict(zip(("weight", "weight_scale_inv"), quantize_weight_blocks(w)))
-            elif family == "mxfp4":
-                parts = dict(zip(("weight", "weight_scale"), quantize_mxfp4(w)))
-            else:
-                parts = dict(zip(("weight", "weight_scale", "weight_scale_2"), quantize_nvfp4_weight(w)))
-                if fmt == "nvfp4":
-                    parts["input_scale"] = torch.tensor(1.0 / 448.0, dtype=torch.float32)
-            if spec.expert_bias:
-                parts["bias"] = (torch.randn(out_dim, generator=generator) * std).to(torch.bfloat16)
-            tensors.update({(expert, proj, kind): value for kind, value in parts.items()})
-    return DictExpertSource(tensors, prefix="random")
-
-
 def _fits(found: torch.dtype, want: torch.dtype) -> bool:
     """A source tensor of dtype `found` can fill a canonical tensor of dtype `want` (equal, or both plain floats)."""
     return found == want or (found in PLAIN_FLOATS and want in PLAIN_FLOATS)
@@ -323,11 +163,11 @@ class ExpertsBase(torch.nn.Module):
 
     # --- shared -------------------------------------------------------------------------------------
     def _check_sizes(self):
-        spec, unit = self.spec, _DIM_UNIT[self.family]
+        spec, unit = self.spec, DIM_UNIT[self.family]
         problems = [f"{name} {size} is not a multiple of {unit}"
                     for name, size in (("hidden_size", spec.hidden_size),
                                        ("intermediate_size", spec.intermediate_size)) if size % unit]
-        shard_unit = _SHARD_UNIT[self.family]
+        shard_unit = SHARD_UNIT[self.family]
         if self.parallel.moe_tp_size > 1 and self.inter_size % shard_unit:
             problems.append(f"the MoE-TP shard of {self.inter_size} intermediate channels is not a "
                             f"multiple of {shard_unit}")

@@ -14,7 +14,8 @@ import torch
 
 from .. import activations
 from ..formats.fp8 import qdq_act_groups
-from .base import WEIGHT_KINDS, ExpertParallel, ExpertsBase, MoeLayerSpec, dequantize_canonical
+from .base import ExpertParallel, ExpertsBase, MoeLayerSpec
+from .canonical import WEIGHT_KINDS, dequantize_canonical
 
 # torch._grouped_mm wants 16-byte aligned strides, on CPU as on CUDA: with bf16 operands every
 # K and N of both GEMMs (hidden size, this rank's intermediate size) is a multiple of 8.

@@ -9,7 +9,8 @@ import torch
 
 from .. import activations
 from ..formats.act_quant import quantize_dequantize_activation
-from .base import WEIGHT_KINDS, ExpertsBase, dequantize_canonical
+from .base import ExpertsBase
+from .canonical import WEIGHT_KINDS, dequantize_canonical
 
 
 class _EagerLoopExperts(ExpertsBase):

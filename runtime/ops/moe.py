@@ -6,6 +6,19 @@ the block owns the one reduction. With attention data parallel (`dp > 1`) each r
 tokens: they are all-gathered across replicas before routing, and each replica keeps its own rows of the
 reduced output.
 
+`dep<N>` (attention data parallel, experts split over the ranks) has two exchanges. A forward outside a
+decode step (prefill, a plain forward; replicas may hold different token counts) sends each (token,
+expert) pair to the rank that owns the expert and back, sized by counts it exchanges and reads back
+first: a host sync, so it is never captured. A decode step runs under `runtime.parallel.token_capacity`
+(its batch bucket: `C` tokens per rank) and moves fixed `[C, H]` blocks instead, so it has fixed shapes
+and no host sync, and captures in a CUDA graph. Its capacity is the worst case of the bucket: every
+token of a rank may route to experts of every peer, so a fixed all-to-all block per peer has to hold
+all `C` of them, which makes the dispatch an all-gather of the `C` rows of every rank and the combine
+a reduce-scatter of the experts' partial sums; each rank's experts compute only the pairs of their own
+experts. Within a bucket nothing can overflow; a forward with more tokens than the capacity is refused
+before any collective, and ranks whose buckets differ are refused where the bucket is chosen
+(`CausalLM.decoder`, through `runtime.parallel.check_same_tokens`), never truncated.
+
 Submodule names are the checkpoint's, passed as keyword arguments so a template writes exactly the names
 of its family: `gate` (most families) or `router` (gpt-oss); `experts`; `shared_experts` (DeepSeek, GLM)
 or `shared_expert` + `shared_expert_gate` (Qwen2-MoE / Qwen3-Next). A `SigmoidTopKRouter` built with
@@ -101,10 +114,9 @@ class MoEBlock(nn.Module):
             if self.world > 1:
                 out = parallel.all_reduce(out, parallel.WORLD)
         elif self.tp == 1:
-            # Attention data parallel with expert parallel (dep<N>): each rank holds its own tokens, so
-            # each (token, expert) pair travels to the rank that owns the expert and back (all-to-all
-            # dispatch and combine); replicas may hold different token counts.
-            out = self._routed_all_to_all(x)
+            # Attention data parallel with expert parallel (dep<N>): each rank holds its own tokens.
+            capacity = parallel.capacity()
+            out = self._routed_all_to_all(x) if capacity is None else self._routed_fixed(x, capacity)
             shared = self._shared_out(x)
             if shared is not None:
                 out = out + shared
@@ -119,7 +131,22 @@ class MoEBlock(nn.Module):
                 out = out + parallel.all_reduce(shared, parallel.TP)
         return out.reshape(shape)
 
+    def _routed_fixed(self, x: torch.Tensor, capacity: int) -> torch.Tensor:
+        """A decode step's exchange: every rank's `capacity` rows to every rank, partial sums back."""
+        tokens = x.shape[0]
+        if tokens > capacity:  # a shape: checked on the host, before any collective
+            raise parallel.CapacityError(
+                f"MoE exchange: {tokens} tokens on this rank exceed the capacity of {capacity} tokens per rank "
+                f"of this decode step (its batch bucket); decode them in a bucket of at least {tokens} rows")
+        if tokens < capacity:  # padding rows are routed and computed like any other, and dropped after
+            x = torch.cat((x, x.new_zeros(capacity - tokens, x.shape[1])))
+        # Routing is replicated (every rank holds the router), so one collective carries the rows.
+        every = parallel.all_gather(x, dim=0, group=parallel.WORLD)
+        partial = self._routed(every)
+        return parallel.reduce_scatter(partial, dim=0, group=parallel.WORLD)[:tokens]
+
     def _routed_all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        """Any other forward: each (token, expert) pair to the expert's rank and back, sized by exchanged counts."""
         ids, weights = self._route(x)
         tokens, k = ids.shape
         # Experts are split over the world in contiguous blocks, as ExpertParallel assigns them.

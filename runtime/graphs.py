@@ -1,0 +1,34 @@
+"""Capturing a decode phase as a CUDA graph: one warm-up outside the capture, with the state it advances restored, then the capture."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+
+def capture(step: Callable[[], object], state: Sequence[torch.Tensor] = (),
+            generator: torch.Generator | None = None) -> tuple[torch.cuda.CUDAGraph, object]:
+    """A CUDA graph of `step()` and what its captured call returned (the buffers every replay rewrites).
+
+    The warm-up runs `step` once on a side stream first (allocator, cuBLAS handles, kernel compilation);
+    the tensors in `state` (what a step advances: positions, emitted ids) and `generator` are put back
+    afterwards, so the graph starts where the caller was and a seeded run draws the same numbers whether
+    or not it captured. The cache slots the warm-up writes are the ones the first replay rewrites.
+    """
+    saved = [t.clone() for t in state]
+    rng = generator.get_state() if generator is not None else None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t, s in zip(state, saved):
+        t.copy_(s)
+    if rng is not None:
+        generator.set_state(rng)
+    graph = torch.cuda.CUDAGraph()
+    if generator is not None:
+        graph.register_generator_state(generator)
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
