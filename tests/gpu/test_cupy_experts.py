@@ -245,7 +245,8 @@ def test_a_reduced_generated_build_runs_cupy_and_matches_its_cpu_logits(path, ex
     some FP8 codes differ and the difference compounds over the layers)."""
     mod = importlib.import_module(path)
     (impl_id, (cls, family)), = mod.IMPLEMENTATIONS.items()
-    assert family == "CUPY" and cls in CUPY_EXPERTS
+    # a TRITON class is its format's CUPY class with Triton prefill GEMMs (qwen3's SM90 target binds one)
+    assert family in ("CUPY", "TRITON") and issubclass(cls, CUPY_EXPERTS)
     monkeypatch.setattr(mod, "LAYERS", mod.LAYERS[:2])
     monkeypatch.setattr(mod, "VOCAB_SIZE", 512)
     monkeypatch.setattr(mod, "NUM_EXPERTS", experts)
