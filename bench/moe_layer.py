@@ -44,13 +44,42 @@ from runtime.experts.base import MoeLayerSpec  # noqa: E402
 from runtime.experts.cupy_mma import (CupyMmaBf16Experts, CupyMmaFp8BlockScalesExperts,  # noqa: E402
                                       CupyMmaW4a8Mxfp4Fp8Experts, CupyMmaW4a16Mxfp4Experts,
                                       CupyMmaW4a16Nvfp4Experts)
+from runtime.experts.triton_grouped import TritonWgmmaBf16Experts, TritonWgmmaFp8BlockScalesExperts  # noqa: E402
 
 SHAPES = {   # hidden, moe_intermediate, experts, top_k
     "Q": (2048, 768, 128, 8), "D": (7168, 2048, 256, 8), "G": (2880, 2880, 128, 4), "tiny": (256, 64, 8, 2)}
 TOKENS = (1, 8, 64, 256, 2048, 8192)
-CLASSES = {"bf16": CupyMmaBf16Experts, "fp8_block_scales": CupyMmaFp8BlockScalesExperts,
-           "w4a16_mxfp4": CupyMmaW4a16Mxfp4Experts, "w4a16_nvfp4": CupyMmaW4a16Nvfp4Experts,
-           "w4a8_mxfp4_fp8": CupyMmaW4a8Mxfp4Fp8Experts}
+CUPY_CLASSES = {"bf16": CupyMmaBf16Experts, "fp8_block_scales": CupyMmaFp8BlockScalesExperts,
+                "w4a16_mxfp4": CupyMmaW4a16Mxfp4Experts, "w4a16_nvfp4": CupyMmaW4a16Nvfp4Experts,
+                "w4a8_mxfp4_fp8": CupyMmaW4a8Mxfp4Fp8Experts}
+# --impl triton: the TRITON classes where one exists (they run the CUPY path for small calls)
+TRITON_CLASSES = {"bf16": TritonWgmmaBf16Experts, "fp8_block_scales": TritonWgmmaFp8BlockScalesExperts}
+CLASSES = dict(CUPY_CLASSES)
+# vLLM's Triton fused MoE on an H200, uniform routing, microseconds, same timing method
+# (../shared/research/peer_vllm_triton_h200.md, measured 2026-12-01): R_peer is read against these.
+VLLM_TRITON_US = {
+    ("Q", "bf16"): (57, 160, 335, 371, 563, 1690),
+    ("Q", "fp8_block_scales"): (57, 120, 206, 249, 537, 1680),
+    ("D", "bf16"): (214, 1292, 4464, 5389, 6440, 15049),
+    ("D", "fp8_block_scales"): (146, 707, 2410, 3057, 4547, 12336),
+    ("G", "bf16"): (86, 406, 1335, 1587, 1899, 4238),
+}
+# Triton GEMM configurations the sweep times: (gemm1, gemm2), each (BM, BN, BK, warps, stages)
+TRITON_SWEEP = {
+    "fp8_block_scales": [
+        ((64, 128, 128, 8, 3, 8), (64, 128, 128, 4, 4, 8)),
+        ((64, 128, 128, 8, 4, 8), (64, 128, 128, 4, 4, 8)),
+        ((64, 128, 128, 8, 3, 16), (64, 128, 128, 4, 4, 16)),
+        ((64, 128, 128, 8, 3, 8), (64, 128, 128, 4, 6, 8)),
+        ((64, 128, 128, 8, 4, 8), (64, 256, 128, 8, 4, 8)),
+    ],
+    "bf16": [
+        ((128, 128, 64, 8, 3, 8), (128, 256, 64, 8, 3, 8)),
+        ((128, 128, 64, 8, 4, 8), (128, 256, 64, 8, 4, 8)),
+        ((128, 128, 64, 8, 3, 16), (128, 256, 64, 8, 3, 16)),
+        ((128, 64, 64, 8, 4, 8), (128, 256, 64, 8, 3, 8)),
+    ],
+}
 BYTES_PER_PARAM = {"bf16": 2.0, "fp8_block_scales": 1 + 4 / 128 ** 2, "w4a16_mxfp4": 0.5 + 1 / 32,
                    "w4a8_mxfp4_fp8": 0.5 + 1 / 32, "w4a16_nvfp4": 0.5 + 1 / 16}
 FP8_PEAK_FORMATS = {"fp8_block_scales", "w4a8_mxfp4_fp8"}
@@ -284,10 +313,18 @@ def active_experts(shape, tokens, routing, ids):
     return float(ids.unique().numel())
 
 
-def build(fmt, spec, copies=COPIES, extra_tiles=()):
+def vllm_us(shape, fmt, tokens, routing):
+    """The research note's vLLM Triton time of the cell (uniform routing only), or None."""
+    row = VLLM_TRITON_US.get((shape, fmt))
+    if row is None or routing != "uniform" or tokens not in TOKENS:
+        return None
+    return float(row[TOKENS.index(tokens)])
+
+
+def build(fmt, spec, copies=COPIES, extra_tiles=(), classes=None):
     mods = []
     for c in range(copies):
-        m = CLASSES[fmt](spec, device="meta").to_empty(device="cuda")
+        m = (classes or CLASSES)[fmt](spec, device="meta").to_empty(device="cuda")
         m.extra_tiles = tuple(extra_tiles)
         fill_module(m, 100 + c)
         m.prepare("cuda")
@@ -335,11 +372,53 @@ def sweep(args, result):
     result["sweep"] = rows
 
 
+def triton_sweep(args, result):
+    """Every TRITON_SWEEP configuration on the prefill cells, with the CUPY plan of the same weights."""
+    rows = []
+    for shape in args.shapes.split(","):
+        h, i, e, k = SHAPES[shape]
+        spec = MoeLayerSpec(h, i, e, k, "silu_glu")
+        router = Router(h, e, k, None)
+        for fmt in args.formats.split(","):
+            if fmt not in TRITON_CLASSES or (fmt == "fp8_block_scales" and (h % 128 or i % 128)):
+                continue
+            mods = build(fmt, spec, classes=TRITON_CLASSES)
+            for t in (int(v) for v in args.sweep_tokens.split(",")):
+                x = torch.randn(t, h, device="cuda").bfloat16()
+                options = [("triton", cfg) for cfg in TRITON_SWEEP[fmt]]
+                options.append((CUPY_CLASSES[fmt].plan(mods[0], t, k)[0], None))   # what the CUPY class runs
+                for path, cfg in options:
+                    try:
+                        with torch.no_grad():
+                            us = time_graphs([(lambda m: lambda: m(x, *router(x), path=path, tile=cfg))(m) for m in mods],
+                                             samples=8, batch=3)
+                    except Exception as exc:   # noqa: BLE001
+                        us = None
+                        result["errors"].append(f"triton sweep {shape} {fmt} T={t} {cfg}: {exc!r}"[:400])
+                        log("ERROR", result["errors"][-1])
+                        torch.cuda.synchronize()
+                    flops = 2 * t * k * 3 * h * i
+                    rows.append({"shape": shape, "format": fmt, "tokens": t, "path": path, "tile": cfg, "us": us,
+                                 "vllm_us": vllm_us(shape, fmt, t, "uniform")})
+                    vl = rows[-1]["vllm_us"]
+                    log(f"tsweep {shape} {fmt:16s} T={t:5d} {path:10s} {cfg}: "
+                        f"{'-' if us is None else f'{us:.1f} us {flops / us / 1e6:.0f} TFLOP/s'}"
+                        f"{'' if us is None or vl is None else f'  R_peer(vLLM) {vl / us:.2f}'}")
+            del mods
+            gc.collect()
+            torch.cuda.empty_cache()
+    result["triton_sweep"] = rows
+
+
 def profile(args):
     """Kernel times of one call of ours (torch.profiler): where the fixed cost and the time go."""
     from torch.profiler import ProfilerActivity, profile as prof
 
-    for shape, fmt, t in (("Q", "bf16", 1), ("Q", "bf16", 2048), ("Q", "w4a16_mxfp4", 2048), ("D", "fp8_block_scales", 2048)):
+    cells = ((("Q", "bf16", 1), ("Q", "bf16", 2048), ("Q", "w4a16_mxfp4", 2048), ("D", "fp8_block_scales", 2048))
+             if args.impl == "cupy" else
+             (("Q", "fp8_block_scales", 2048), ("Q", "fp8_block_scales", 8192), ("D", "fp8_block_scales", 8192),
+              ("Q", "bf16", 2048), ("D", "bf16", 8192)))
+    for shape, fmt, t in cells:
         h, i, e, k = SHAPES[shape]
         spec = MoeLayerSpec(h, i, e, k, "silu_glu")
         mods = build(fmt, spec, copies=1)
@@ -366,16 +445,21 @@ def run(args):
     deadline = time.time() + args.max_seconds
     props = torch.cuda.get_device_properties(0)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    result = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__, "commit": commit or args.commit,
+    result = {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__, "commit": args.commit or commit,
               "date": args.date, "cells": [], "peers": [], "missing": [], "errors": []}
     ceil = ceilings()
     result["ceilings"] = ceil
     log(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 {ceil['bf16_flops'] / 1e12:.0f} TFLOP/s, "
         f"fp8 {(ceil['fp8_flops'] or 0) / 1e12:.0f} TFLOP/s")
+    if args.impl == "triton":
+        CLASSES.update(TRITON_CLASSES)
     if args.profile:
         profile(args)
     if args.sweep:
         sweep(args, result)
+        (out_dir / "moe_layer.json").write_text(json.dumps(result, indent=1))
+    if args.triton_sweep:
+        triton_sweep(args, result)
         (out_dir / "moe_layer.json").write_text(json.dumps(result, indent=1))
     if args.only_extras:
         return
@@ -490,16 +574,18 @@ def run(args):
                         peers = {n: v for n, v in peer_cache.get((shape, t, r), {}).items()
                                  if n != "fp8_rowwise_pipeline" or fmt in FP8_PEAK_FORMATS}
                         best = min(peers.items(), key=lambda kv: kv[1]) if peers else (None, None)
+                        vl = vllm_us(shape, fmt, t, r)
                         cell = {"shape": shape, "format": fmt, "tokens": t, "routing": r, "ours_us": ours,
                                 "path": path, "tile": tile, "active_experts": e_act, "weight_bytes": w_bytes,
                                 "flops": flops, "t_lb_us": t_lb, "r_roof": t_lb / ours,
                                 "best_peer": best[0], "best_peer_us": best[1],
                                 "r_peer": (best[1] / ours) if best[1] else None,
+                                "impl": mods[0].IMPL_ID, "vllm_us": vl, "r_peer_vllm": vl / ours if vl else None,
                                 "tflops": flops / (ours * 1e-6) / 1e12, "tb_per_s": w_bytes / (ours * 1e-6) / 1e12}
                         result["cells"].append(cell)
                         log(f"{shape} {fmt:16s} T={t:5d} {r:7s} ours {ours:9.1f} us  lb {t_lb:8.1f}  "
                             f"R_roof {cell['r_roof']:.2f}  peer {best[0]} {best[1] or 0:.1f}  "
-                            f"R_peer {cell['r_peer'] or 0:.2f}  [{path} {tile}]")
+                            f"R_peer {cell['r_peer'] or 0:.2f}  R_peer(vLLM) {cell['r_peer_vllm'] or 0:.2f}  [{path} {tile}]")
 
             measure(fmt)
             gc.collect()
@@ -515,14 +601,16 @@ def markdown(result):
     lines = [f"GPU {result['gpu']} ({result['sms']} SMs), torch {result['torch']}, commit {result['commit']}, "
              f"{result['date']}. Ceilings measured in the same run: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
              f"bf16 {c['bf16_flops'] / 1e12:.0f} TFLOP/s, fp8 {(c['fp8_flops'] or 0) / 1e12:.0f} TFLOP/s.", "",
-             "| shape | format | routing | tokens | ours µs | best peer µs (which) | T_lb µs | R_roof | R_peer | TB/s | TFLOP/s | path |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| shape | format | routing | tokens | ours µs | vLLM Triton µs (note) | R_peer vs vLLM | best in-process peer µs (which) | T_lb µs | R_roof | R_peer in-process | TB/s | TFLOP/s | impl, path, tile |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in result["cells"]:
         peer = f"{x['best_peer_us']:.1f} ({x['best_peer']})" if x["best_peer_us"] else "-"
         rpeer = f"{x['r_peer']:.2f}" if x["r_peer"] else "-"
-        lines.append(f"| {x['shape']} | {x['format']} | {x['routing']} | {x['tokens']} | {x['ours_us']:.1f} | {peer} | "
-                     f"{x['t_lb_us']:.1f} | {x['r_roof']:.2f} | {rpeer} | {x['tb_per_s']:.2f} | {x['tflops']:.0f} | "
-                     f"{x['path']} {tuple(x['tile'])} |")
+        vl = f"{x['vllm_us']:.0f}" if x.get("vllm_us") else "-"
+        rvl = f"{x['r_peer_vllm']:.2f}" if x.get("r_peer_vllm") else "-"
+        lines.append(f"| {x['shape']} | {x['format']} | {x['routing']} | {x['tokens']} | {x['ours_us']:.1f} | {vl} | {rvl} | "
+                     f"{peer} | {x['t_lb_us']:.1f} | {x['r_roof']:.2f} | {rpeer} | {x['tb_per_s']:.2f} | {x['tflops']:.0f} | "
+                     f"{x.get('impl', '')} {x['path']} {x['tile']} |")
     if result["missing"]:
         lines += ["", "Not measured: " + "; ".join(result["missing"])]
     if result["errors"]:
@@ -541,6 +629,9 @@ def main():
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--sweep", action="store_true", help="time every compiled tile on the prefill cells first")
     p.add_argument("--sweep-tokens", default="256")
+    p.add_argument("--impl", choices=("cupy", "triton"), default="cupy",
+                   help="whose experts are 'ours': the CUPY classes, or the TRITON ones where a format has one")
+    p.add_argument("--triton-sweep", action="store_true", help="time every TRITON_SWEEP configuration first")
     p.add_argument("--profile", action="store_true", help="print per-kernel times of a few cells first")
     p.add_argument("--only-extras", action="store_true", help="stop after --sweep / --profile")
     p.add_argument("--peers-from", default="", help="a previous moe_layer.json whose peer times to reuse")

@@ -210,23 +210,10 @@ class _CupyMmaExperts(ExpertsBase):
         pairs = tokens * top_k
         auto_path, auto_tile = self.plan(tokens, top_k)
         path, tile = path or auto_path, tuple(tile or auto_tile)
-        bt = 8 * tile[1]
-        max_tiles = pairs // bt + min(n_local, pairs)
-
-        offs = torch.empty(n_local + 1, dtype=torch.int32, device=device)
-        ints = torch.empty(3 * pairs + 2 * max_tiles + 1, dtype=torch.int32, device=device)
-        sorted_pair, sorted_expert, pair_pos = ints[:pairs], ints[pairs:2 * pairs], ints[2 * pairs:3 * pairs]
-        tile_expert = ints[3 * pairs:3 * pairs + max_tiles]
-        tile_row = ints[3 * pairs + max_tiles:3 * pairs + 2 * max_tiles]
-        num_tiles = ints[3 * pairs + 2 * max_tiles:]
-        total_ptr = np.uint64(offs.data_ptr() + 4 * n_local)   # offs[n_local]: routed rows in all
-        kern.launch("moe_align", (1,), (1024,),
-                    (_p(ids), _p(self._local_map(device)), _i(spec.num_experts), _i(pairs), _i(n_local), _i(bt),
-                     _p(offs), _p(sorted_pair), _p(sorted_expert), _p(pair_pos), _p(tile_expert), _p(tile_row),
-                     _p(num_tiles)), stream)
+        max_tiles, offs, sorted_pair, sorted_expert, pair_pos, tile_expert, tile_row, num_tiles, total_ptr = \
+            self._route(kern, stream, ids, pairs, 8 * tile[1])
         kind, alpha, limit = _ACT_KIND[spec.activation], spec.swiglu_alpha, spec.swiglu_limit
         b13 = self.b13 if spec.expert_bias else None
-        b2 = self.b2 if self.adds_down_bias else None
 
         if path == "grouped_mm":
             if fmt != "bf16":
@@ -270,11 +257,36 @@ class _CupyMmaExperts(ExpertsBase):
                        limit)
             y_bf16 = 0
 
-        out = self._empty((tokens, hsize), torch.bfloat16, device, poison)
+        return self._combine(kern, stream, y, y_bf16, pair_pos, sorted_expert, weights, tokens, hidden.dtype)
+
+    def _route(self, kern, stream, ids, pairs, bt):
+        """`moe_align` into fresh int32 workspaces: the pairs counting-sorted by local expert and the
+        token tiles of `bt` rows. Returns (max_tiles, offs, sorted_pair, sorted_expert, pair_pos,
+        tile_expert, tile_row, num_tiles, pointer to offs[n_local] = the routed rows in all)."""
+        device, n_local = ids.device, len(self.expert_ids)
+        max_tiles = pairs // bt + min(n_local, pairs)
+        offs = torch.empty(n_local + 1, dtype=torch.int32, device=device)
+        ints = torch.empty(3 * pairs + 2 * max_tiles + 1, dtype=torch.int32, device=device)
+        sorted_pair, sorted_expert, pair_pos = ints[:pairs], ints[pairs:2 * pairs], ints[2 * pairs:3 * pairs]
+        tile_expert = ints[3 * pairs:3 * pairs + max_tiles]
+        tile_row = ints[3 * pairs + max_tiles:3 * pairs + 2 * max_tiles]
+        num_tiles = ints[3 * pairs + 2 * max_tiles:]
+        total_ptr = np.uint64(offs.data_ptr() + 4 * n_local)
+        kern.launch("moe_align", (1,), (1024,),
+                    (_p(ids), _p(self._local_map(device)), _i(self.spec.num_experts), _i(pairs), _i(n_local), _i(bt),
+                     _p(offs), _p(sorted_pair), _p(sorted_expert), _p(pair_pos), _p(tile_expert), _p(tile_row),
+                     _p(num_tiles)), stream)
+        return max_tiles, offs, sorted_pair, sorted_expert, pair_pos, tile_expert, tile_row, num_tiles, total_ptr
+
+    def _combine(self, kern, stream, y, y_bf16, pair_pos, sorted_expert, weights, tokens, dtype):
+        """`moe_combine`: each token's rows of `y` (sorted order) plus the down bias, weighed, summed in
+        fp32 and rounded once to bf16; returned in `dtype`."""
+        hsize, b2 = self.spec.hidden_size, self.b2 if self.adds_down_bias else None
+        out = self._empty((tokens, hsize), torch.bfloat16, y.device, self.debug_poison)
         kern.launch("moe_combine", (math.ceil(hsize / 1024), tokens), (256,),
                     (_p(y), _i(y_bf16), _p(pair_pos), _p(sorted_expert), _p(weights), _p(b2), _p(out),
-                     _i(hsize), _i(top_k)), stream)
-        return out if hidden.dtype == torch.bfloat16 else out.to(hidden.dtype)
+                     _i(hsize), _i(weights.shape[1])), stream)
+        return out if dtype == torch.bfloat16 else out.to(dtype)
 
     def _gemm(self, kern, stream, epi, tile, max_tiles, w, ws, ws2, a, a_scale, a_by_token, sorted_pair, offs,
               tile_expert, tile_row, num_tiles, bias, out, n, k, inter, top_k, kind, alpha, limit):

@@ -29,8 +29,9 @@ def _without_family(text: str, family: str) -> str:
                      if not b.startswith(f"[families.{family}]") and f'family = "{family}"' not in b)
 
 
-# The project registry without its own CUPY family: the synthetic one below replaces it.
-REAL_TEXT_WITHOUT_CUPY = _without_family(REAL_TEXT, "CUPY")
+# The project registry without its own CUPY family (nor TRITON, whose classes are CUPY's with Triton
+# prefill GEMMs): the synthetic one below replaces it.
+REAL_TEXT_WITHOUT_CUPY = _without_family(_without_family(REAL_TEXT, "CUPY"), "TRITON")
 
 _CAPS = {
     "expert_bias": "true",

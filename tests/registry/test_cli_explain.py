@@ -275,7 +275,8 @@ def test_a_widened_tactic_fn3_would_refuse_is_not_suggested(capsys):
     assert err == (
         "error: moe_config.tactic 'grouped_gemm.bf16' names no implementation of fp8_block_scales on sm_90, the format of "
         "routed layers 3-60 (checkpoint quant_algo FP8_BLOCK_SCALES); fp8_block_scales is served by "
-        "cupy.mma.grouped_gemm.fp8_block_scales ('cupy.fp8_block_scales'), torch.grouped_mm.grouped_gemm.fp8_block_scales "
+        "cupy.mma.grouped_gemm.fp8_block_scales ('cupy.fp8_block_scales'), triton.wgmma.grouped_gemm.fp8_block_scales "
+        "('triton.fp8_block_scales'), torch.grouped_mm.grouped_gemm.fp8_block_scales "
         "('grouped_mm.fp8_block_scales'), torch.eager.loop.fp8_block_scales ('eager.fp8_block_scales'); no tactic of one "
         "family covers fp8_block_scales: select by backend (moe_config.backend) instead (RULES FN4)\n"
     )

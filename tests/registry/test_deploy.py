@@ -102,7 +102,7 @@ def test_an_unknown_backend_is_refused_when_the_config_is_parsed():
     with pytest.raises(SelectionError) as info:
         MoeConfig(backend="CUTLASS")
     assert str(info.value) == (
-        "moe_config.backend 'CUTLASS' is not a backend literal; literals: AUTO, CUPY, TORCH, VANILLA (a tactic goes in "
+        "moe_config.backend 'CUTLASS' is not a backend literal; literals: AUTO, CUPY, TORCH, TRITON, VANILLA (a tactic goes in "
         "the tactic field, in lower case) (RULES RQ1)"
     )
 

@@ -260,7 +260,8 @@ def test_an_embedded_mtp_under_dynamic_eplb_resolves_auto_among_eplb_consumers()
     (draft,) = drafts(resolve("deepseek_v3", Selection(spec_mode="mtp", eplb=True), 90))
     assert (draft.winner, draft.alternatives) == ("torch.grouped_mm.grouped_gemm.fp8_block_scales", ())
     (free,) = drafts(resolve("deepseek_v3", Selection(spec_mode="mtp"), 90))
-    assert free.alternatives == ("torch.grouped_mm.grouped_gemm.fp8_block_scales", "torch.eager.loop.fp8_block_scales")
+    assert free.alternatives == ("triton.wgmma.grouped_gemm.fp8_block_scales",
+                                 "torch.grouped_mm.grouped_gemm.fp8_block_scales", "torch.eager.loop.fp8_block_scales")
 
 
 def test_a_draft_backend_without_eplb_consumers_is_refused_for_a_balanced_draft():

@@ -102,6 +102,7 @@ def test_a_candidate_outside_the_honored_set_is_turned_down_not_honored():
     assert str(outcome.winner.id) == "torch.eager.loop.bf16"
     assert [r.describe() for r in outcome.rejections] == [
         "cupy.mma.grouped_gemm.bf16: NOT_HONORED (the target honors only torch.eager.loop.bf16)",
+        "triton.wgmma.grouped_gemm.bf16: NOT_HONORED (the target honors only torch.eager.loop.bf16)",
         "torch.grouped_mm.grouped_gemm.bf16: NOT_HONORED (the target honors only torch.eager.loop.bf16)",
     ]
 

@@ -125,7 +125,7 @@ def test_every_entry_declares_family_priority_format_sms_cpu_capabilities_constr
     for impl in registry.impls:
         assert impl.family in registry.family_names
         assert impl.format == impl.id.quant and impl.format in RUN_FORMATS
-        assert impl.cpu is (impl.family != "CUPY")  # TORCH and VANILLA run on the host CPU too; CUPY does not
+        assert impl.cpu is (impl.family not in ("CUPY", "TRITON"))  # TORCH and VANILLA run on the host CPU too
         assert impl.capabilities.activations
         assert impl.constraints.hidden_multiple >= 1 and impl.constraints.intermediate_multiple >= 1
         assert re.fullmatch(r"runtime\.experts\.[a-z_]+:[A-Z][A-Za-z0-9]*Experts", impl.class_path)
@@ -135,7 +135,7 @@ def test_every_entry_declares_family_priority_format_sms_cpu_capabilities_constr
 def test_the_project_families_are_torch_the_fallback_and_vanilla_which_never_degrades():
     # RULES ID4
     registry = real_registry()
-    assert registry.literals == (AUTO, "CUPY", "TORCH", "VANILLA")
+    assert registry.literals == (AUTO, "CUPY", "TORCH", "TRITON", "VANILLA")
     assert registry.fallback_family == "TORCH"
     assert registry.family("VANILLA").never_degrades and not registry.family("VANILLA").fallback
     assert {str(i.id).rsplit(".", 1)[0] for i in registry.impls if i.family == "VANILLA"} == {"torch.eager.loop"}
@@ -258,6 +258,8 @@ def test_no_implementation_of_the_project_claims_a_gpu_it_has_not_run_on():
         "torch.grouped_mm.grouped_gemm.bf16", "torch.grouped_mm.grouped_gemm.fp8_block_scales",
         # the packed 4-bit forward: tests/gpu/test_packed_experts_memory.py and test_experts_torch_gpu.py on an H200
         "torch.grouped_mm.grouped_gemm.w4a16_mxfp4", "torch.grouped_mm.grouped_gemm.w4a16_nvfp4",
+        # tests/gpu/test_triton_experts.py on an H200 (BENCHMARKS.md, 2026-12-01)
+        "triton.wgmma.grouped_gemm.bf16", "triton.wgmma.grouped_gemm.fp8_block_scales",
     ]
     packed = {str(i.id): i.weights for i in registry.impls if i.format in ("w4a16_mxfp4", "w4a16_nvfp4")}
     assert packed == {

@@ -76,7 +76,7 @@ def test_a_literal_is_case_sensitive_and_stripped():
     with pytest.raises(SelectionError) as info:
         moe_impl_request("torch", field="speculative_config.moe_backend")
     assert str(info.value) == (
-        "speculative_config.moe_backend 'torch' is not a backend literal; literals: AUTO, CUPY, TORCH, VANILLA "
+        "speculative_config.moe_backend 'torch' is not a backend literal; literals: AUTO, CUPY, TORCH, TRITON, VANILLA "
         "(a tactic goes in the tactic field, in lower case) (RULES RQ1)"
     )
 
@@ -118,8 +118,8 @@ def test_the_field_decides_whether_a_value_is_a_literal_or_a_tactic():
     with pytest.raises(TacticError) as info:
         moe_impl_request("AUTO", field="moe_config.tactic")
     assert str(info.value) == (
-        "moe_config.tactic 'auto': unknown segment 'auto'; known segments: provider cupy, torch; technique eager, "
-        "grouped_mm, mma; kernel_name grouped_gemm, loop; quant bf16, fp8_block_scales, nvfp4, w4a16_mxfp4, "
+        "moe_config.tactic 'auto': unknown segment 'auto'; known segments: provider cupy, torch, triton; technique eager, "
+        "grouped_mm, mma, wgmma; kernel_name grouped_gemm, loop; quant bf16, fp8_block_scales, nvfp4, w4a16_mxfp4, "
         "w4a16_nvfp4, w4a8_mxfp4_fp8, w4a8_mxfp4_mxfp8 (RULES TA2)"
     )
 

@@ -70,8 +70,8 @@ def test_each_token_finds_its_own_field():
 
 def test_a_one_segment_tactic_names_every_implementation_with_that_token_in_priority_order():
     # RULES TA1, RQ2
-    assert ids(parse_tactic("bf16", R)) == ["cupy.mma.grouped_gemm.bf16", "torch.grouped_mm.grouped_gemm.bf16",
-                                            "torch.eager.loop.bf16"]
+    assert ids(parse_tactic("bf16", R)) == ["cupy.mma.grouped_gemm.bf16", "triton.wgmma.grouped_gemm.bf16",
+                                            "torch.grouped_mm.grouped_gemm.bf16", "torch.eager.loop.bf16"]
     assert ids(parse_tactic("torch", R)) == [i for i in ALL_IDS if i.startswith("torch.")]
 
 
@@ -132,8 +132,8 @@ def test_an_unknown_token_is_refused_with_the_closest_known_tokens():
 def test_an_unknown_token_with_nothing_close_lists_the_known_tokens_per_field():
     # RULES TA2
     assert refusal("xyzzy") == (
-        "moe_config.tactic 'xyzzy': unknown segment 'xyzzy'; known segments: provider cupy, torch; technique eager, "
-        "grouped_mm, mma; kernel_name grouped_gemm, loop; quant bf16, fp8_block_scales, nvfp4, w4a16_mxfp4, "
+        "moe_config.tactic 'xyzzy': unknown segment 'xyzzy'; known segments: provider cupy, torch, triton; technique eager, "
+        "grouped_mm, mma, wgmma; kernel_name grouped_gemm, loop; quant bf16, fp8_block_scales, nvfp4, w4a16_mxfp4, "
         "w4a16_nvfp4, w4a8_mxfp4_fp8, w4a8_mxfp4_mxfp8 (RULES TA2)"
     )
 
@@ -216,6 +216,8 @@ def test_the_shortest_queries_of_the_project_registry():
         "cupy.mma.grouped_gemm.w4a16_mxfp4": "cupy.w4a16_mxfp4",
         "cupy.mma.grouped_gemm.w4a8_mxfp4_fp8": "cupy.w4a8_mxfp4_fp8",
         "cupy.mma.grouped_gemm.w4a16_nvfp4": "cupy.w4a16_nvfp4",
+        "triton.wgmma.grouped_gemm.bf16": "triton.bf16",
+        "triton.wgmma.grouped_gemm.fp8_block_scales": "triton.fp8_block_scales",
         "torch.grouped_mm.grouped_gemm.bf16": "grouped_mm.bf16",
         "torch.grouped_mm.grouped_gemm.fp8_block_scales": "grouped_mm.fp8_block_scales",
         "torch.grouped_mm.grouped_gemm.w4a16_mxfp4": "grouped_mm.w4a16_mxfp4",

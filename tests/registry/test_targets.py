@@ -284,7 +284,7 @@ def test_a_target_declaring_no_draft_set_claims_a_draft_backend_and_binds_its_wi
 def test_any_honors_every_selection_and_does_not_restrict_the_winner():
     # RULES TG4
     resolution = resolve_model(facts(site(0, "bf16")), Selection(), sm=90, honored="*")
-    assert resolution.claimed and resolution.reports[0].alternatives == ("torch.grouped_mm.grouped_gemm.bf16",
+    assert resolution.claimed and resolution.reports[0].alternatives == ("triton.wgmma.grouped_gemm.bf16", "torch.grouped_mm.grouped_gemm.bf16",
                                                                          "torch.eager.loop.bf16")
 
 

@@ -1,0 +1,121 @@
+"""TRITON experts: the CUPY experts with prefill GEMMs written in Triton (wgmma on sm_90, FP8 at the E4M3 rate).
+
+The CUPY GEMMs are mma.sync kernels that stream weights into registers: right for decode, where
+they read weights at up to 4.4 TB/s, but on sm_90 mma.sync runs FP8 as f16 HMMA and bf16 well below
+the wgmma rate. Here, once a call routes enough rows per expert (`TRITON_MIN_ROWS`), both GEMMs run
+as Triton grouped GEMMs (runtime/kernels/triton_grouped.py) over the same CUPY routing, activation
+quantization and combine kernels; smaller calls run the CUPY path unchanged. Same buffers and weight
+layouts as the CUPY class of the format (weights stay packed: FP8 codes and block scales).
+
+Per prefill call, with no host synchronization (CUDA-graph capturable): `moe_align` (tiles of BM
+rows of one expert), FP8 only: `quant_fp8_rows` of the tokens (1x128 groups), `gemm1` (token rows
+gathered in its loads, bias, activation, bf16 rounding and, for FP8, the 1x128 quantization of the
+intermediate in its epilogue), `gemm2` (bf16 rows), `moe_combine` (down bias, weights, fp32 sum).
+Triton is imported on the first prefill call only.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import kernels as K
+from .cupy_mma import CupyMmaBf16Experts, CupyMmaFp8BlockScalesExperts, _i, _p
+
+_ACT = {"silu_glu": 0, "swiglu_oai": 1, "relu2": 2}
+
+
+class _TritonGroupedExperts:
+    """Shape constraints: those of the CUPY class (hidden and per-rank intermediate sizes multiples
+    of 64, 128 for fp8_block_scales). Runs on CUDA SM 9.0 only. CUDA-graph capturable (warm it up
+    once outside the capture: the first call of each shape compiles the kernels)."""
+
+    # rows per expert (average, uniform routing) from which the Triton GEMMs run: they beat the CUPY
+    # path from 64 rows (Q and D shapes, 2048 and 8192 tokens, BENCHMARKS.md); fewer rows: not measured
+    TRITON_MIN_ROWS = 64
+    # ((BM, BN, BK, warps, stages, GROUP_M) of gemm1, of gemm2): the first whose rows bound >= rows per
+    # expert. The fastest of bench/moe_layer.py --triton-sweep on an H200 (2026-12-01, BENCHMARKS.md).
+    CONFIGS: tuple = ()
+
+    def plan(self, tokens: int, top_k: int):
+        """('triton', (gemm1 config, gemm2 config)) for prefill-sized calls, else the CUPY plan."""
+        rows = tokens * top_k / self.spec.num_experts
+        if self.TRITON_MIN_ROWS is not None and rows >= self.TRITON_MIN_ROWS:
+            for bound, cfg in self.CONFIGS:
+                if rows <= bound:
+                    return "triton", cfg
+            return "triton", self.CONFIGS[-1][1]
+        return super().plan(tokens, top_k)
+
+    def forward(self, hidden, topk_ids, topk_weights, path=None, tile=None):
+        """The contract's forward; `path` ('triton' or a CUPY path) and `tile` override `plan`."""
+        self._check_inputs(hidden, topk_ids, topk_weights)
+        tokens, top_k = hidden.shape[0], topk_ids.shape[1]
+        auto_path, auto_tile = self.plan(tokens, top_k)
+        path = path or auto_path
+        if path != "triton":
+            if tile is None:
+                tile = super().plan(tokens, top_k)[1]
+            return super().forward(hidden, topk_ids, topk_weights, path=path, tile=tile)
+        cfg1, cfg2 = tile or (auto_tile if auto_path == "triton" else self.CONFIGS[-1][1])
+        if cfg1[0] != cfg2[0]:
+            raise ValueError(f"{self.IMPL_ID}: both GEMMs walk the same token tiles: BM {cfg1[0]} != {cfg2[0]}")
+        return self._forward_triton(hidden, topk_ids, topk_weights, tuple(cfg1), tuple(cfg2))
+
+    def _forward_triton(self, hidden, topk_ids, topk_weights, cfg1, cfg2):
+        from ..kernels import triton_grouped as T
+
+        spec, fp8 = self.spec, self.FORMAT == "fp8_block_scales"
+        tokens, hsize = hidden.shape
+        top_k = topk_ids.shape[1]
+        device = hidden.device
+        if tokens == 0 or not self.expert_ids:
+            return torch.zeros(hidden.shape, dtype=hidden.dtype, device=device)
+        if device.type != "cuda":
+            raise RuntimeError(f"{self.IMPL_ID} runs on a CUDA GPU (SM 9.0), not on {device}")
+        if fp8 and cfg1[1] != 128:
+            raise ValueError(f"{self.IMPL_ID}: gemm1 quantizes the intermediate per 128 channels: BN must be 128")
+        kern = self._kernels(device)
+        stream = torch.cuda.current_stream(device).cuda_stream
+        poison = self.debug_poison
+        x = hidden.to(torch.bfloat16).contiguous()
+        ids = topk_ids.to(torch.int64).contiguous()
+        weights = topk_weights.to(torch.float32).contiguous()
+        inter, pairs = self.inter_size, tokens * top_k
+        max_tiles, offs, sorted_pair, sorted_expert, pair_pos, tile_expert, tile_row, num_tiles, total_ptr = \
+            self._route(kern, stream, ids, pairs, cfg1[0])
+        a1, as1, hs = x, None, None
+        if fp8:
+            codes = self._empty((tokens, hsize), torch.uint8, device, poison)
+            as1 = self._empty((tokens, hsize // 128), torch.float32, device, poison)
+            kern.launch("quant_fp8_rows", (tokens,), (128,),
+                        (_p(x), _p(None), _p(codes), _p(as1), _i(hsize), _i(K.AQ[self.FORMAT])), stream)
+            a1 = codes.view(torch.float8_e4m3fn)
+            h = self._empty((pairs, inter), torch.uint8, device, poison).view(torch.float8_e4m3fn)
+            hs = self._empty((pairs, inter // 128), torch.float32, device, poison)
+        else:
+            h = self._empty((pairs, inter), torch.bfloat16, device, poison)
+        T.launch_gemm1(a1, as1, self.w13, self.s13 if fp8 else None, self.b13 if spec.expert_bias else None,
+                       sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs, hidden=hsize, inter=inter,
+                       top_k=top_k, max_tiles=max_tiles, alpha=spec.swiglu_alpha, limit=spec.swiglu_limit,
+                       fp8=fp8, gated=spec.gated, act=_ACT[spec.activation], cfg=cfg1)
+        y = self._empty((pairs, hsize), torch.bfloat16, device, poison)
+        T.launch_gemm2(h, hs, self.w2, self.s2 if fp8 else None, offs, tile_expert, tile_row, num_tiles, y,
+                       hidden=hsize, inter=inter, max_tiles=max_tiles, fp8=fp8, cfg=cfg2)
+        return self._combine(kern, stream, y, 1, pair_pos, sorted_expert, weights, tokens, hidden.dtype)
+
+
+class TritonWgmmaBf16Experts(_TritonGroupedExperts, CupyMmaBf16Experts):
+    __doc__ = ("TRITON, bf16 weights and activations: Triton grouped GEMMs for prefill, the CUPY kernels "
+               "for decode. " + _TritonGroupedExperts.__doc__)
+    IMPL_ID = "triton.wgmma.grouped_gemm.bf16"
+    CONFIGS = ((1e9, ((128, 128, 64, 8, 3, 8), (128, 256, 64, 8, 3, 8))),)
+
+
+class TritonWgmmaFp8BlockScalesExperts(_TritonGroupedExperts, CupyMmaFp8BlockScalesExperts):
+    __doc__ = ("TRITON, FP8 128x128-block weights and 1x128 dynamic FP8 activations: Triton grouped GEMMs "
+               "on E4M3 wgmma for prefill (block scales promoted per 128 channels of K), the CUPY kernels "
+               "for decode. " + _TritonGroupedExperts.__doc__)
+    IMPL_ID = "triton.wgmma.grouped_gemm.fp8_block_scales"
+    CONFIGS = ((1e9, ((64, 128, 128, 8, 3, 8), (64, 128, 128, 4, 4, 8))),)
+
+
+TRITON_EXPERTS = (TritonWgmmaBf16Experts, TritonWgmmaFp8BlockScalesExperts)

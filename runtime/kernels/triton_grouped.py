@@ -1,0 +1,182 @@
+"""Triton grouped GEMMs of the TRITON experts (tl.dot: wgmma on sm_90, E4M3 at the FP8 rate).
+
+Imported only when a TRITON experts class runs on a GPU (Triton is absent on CPU-only hosts).
+Both kernels walk (token tile, output block) work listed by the CUPY `moe_align` kernel: tile t
+covers sorted rows tile_row[t] .. min(tile_row[t] + BM, offs[e + 1]) of local expert
+tile_expert[t]; programs past num_tiles[0] return at once, so the grid is fixed for a CUDA graph.
+The tile index runs fastest, so the programs alive together read the same weight block of each
+expert and the L2 serves it to that expert's other tiles.
+
+`gemm1`: gate/up with the token rows gathered in the loads (no gather pass), bias, activation, the
+bf16 rounding of the intermediate and, for FP8, its 1x128 quantization (the output block is one
+128-channel group) in the epilogue. `gemm2`: down projection into bf16 rows in sorted order, for
+the CUPY `moe_combine`. FP8: one 128x128 weight block scale and one 1x128 activation scale per
+K-block, promoted into the fp32 accumulator after each block's product (as DeepSeek's recipe does).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+ACT_SILU_GLU, ACT_SWIGLU_OAI, ACT_RELU2 = 0, 1, 2
+_SCALE_BLOCK = tl.constexpr(128)
+
+
+@triton.jit
+def _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr, BM: tl.constexpr):
+    """(expert, rows clamped into the tile, row mask) of a live token tile."""
+    e = tl.load(tile_expert_ptr + pid_m)
+    r0 = tl.load(tile_row_ptr + pid_m)
+    r1 = tl.load(offs_ptr + e + 1)
+    rows = r0 + tl.arange(0, BM)
+    # rows past the tile's end read its last row (a valid address): loads need no mask
+    return e.to(tl.int64), tl.minimum(rows, r1 - 1), rows < r1
+
+
+@triton.jit
+def _program(pid, max_tiles, num_n, GROUP_M: tl.constexpr):
+    """(token tile, output block) of program `pid`: the tile fastest, over GROUP_M tiles at a time
+    (all tiles when GROUP_M == 0), so the programs alive together share weight and row blocks."""
+    if GROUP_M == 0:
+        return pid % max_tiles, pid // max_tiles
+    in_group = GROUP_M * num_n
+    first = (pid // in_group) * GROUP_M
+    size = tl.minimum(max_tiles - first, GROUP_M)
+    return first + (pid % in_group) % size, (pid % in_group) // size
+
+
+@triton.jit
+def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr,
+          num_tiles_ptr, h_ptr, hs_ptr, H, INTER, TOP_K, max_tiles, alpha, limit,
+          FP8: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    # one dot over BNW consecutive w13 rows: gate and up interleaved in blocks of 8
+    # (runtime/kernels/layouts.interleave_gate_up), split in the epilogue
+    PLANES: tl.constexpr = 2 if GATED else 1
+    BNW: tl.constexpr = BN * PLANES
+    pid_m, pid_n = _program(tl.program_id(0), max_tiles, tl.cdiv(INTER, BN), GROUP_M)
+    if pid_m >= tl.load(num_tiles_ptr):
+        return
+    e, rows, rmask = _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr, BM)
+    tok = (tl.load(sorted_pair_ptr + rows) // TOP_K).to(tl.int64)
+    n1 = INTER * PLANES
+    w_row0 = (e * n1 + pid_n * BNW).to(tl.int32)
+    k = tl.arange(0, BK)
+    a_ptrs = x_ptr + tok[:, None] * H + k[None, :]
+    kb_count = H // _SCALE_BLOCK
+    ib_count = INTER // _SCALE_BLOCK
+    wrow = tl.minimum(pid_n * BNW + tl.arange(0, BNW), n1 - 1)      # w13 row of each accumulator column
+    if GATED:
+        plane = (wrow // 8) % 2
+        chan = (wrow // 16) * 8 + wrow % 8
+    else:
+        plane = wrow * 0
+        chan = wrow
+    # s13 [n, planes, I/128, H/128]: plane 0 gate (or up when not gated), plane 1 up
+    sw_ptrs = ws_ptr + ((e * PLANES + plane) * ib_count + chan // _SCALE_BLOCK) * kb_count
+    xs_ptrs = xs_ptr + tok * kb_count
+    acc = tl.zeros([BM, BNW], dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        a = tl.load(a_ptrs)
+        b = w_desc.load([w_row0, k0])
+        if FP8:
+            kblk = k0 // _SCALE_BLOCK
+            acc += tl.dot(a, b.T) * (tl.load(xs_ptrs + kblk)[:, None] * tl.load(sw_ptrs + kblk)[None, :])
+        else:
+            acc = tl.dot(a, b.T, acc)
+        a_ptrs += BK
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + e * n1 + wrow)[None, :]
+    if GATED:
+        g, u = tl.split(tl.permute(tl.reshape(acc, [BM, BN // 8, 2, 8]), [0, 1, 3, 2]))
+        g = tl.reshape(g, [BM, BN])
+        u = tl.reshape(u, [BM, BN])
+    else:
+        g = acc
+        u = acc
+    if ACT == 0:
+        h = g * tl.sigmoid(g) * u
+    elif ACT == 1:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        h = (u + 1.0) * (g * tl.sigmoid(alpha * g))
+    else:
+        r = tl.maximum(u, 0.0)
+        h = r * r
+    # the intermediate is rounded to bf16 first, as the bf16 activation of every other path is
+    hb = h.to(tl.bfloat16)
+    cols = pid_n * BN + tl.arange(0, BN)
+    out_rows = rows.to(tl.int64)
+    smask = rmask[:, None] & (cols < INTER)[None, :]
+    if FP8:
+        # BN == 128 and INTER % 128 == 0: this block is one activation group of every row
+        hf = hb.to(tl.float32)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(hf), axis=1), 1e-4), 448.0)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(hf, scale[:, None]), -448.0), 448.0)
+        tl.store(h_ptr + out_rows[:, None] * INTER + cols[None, :], q.to(tl.float8e4nv), mask=smask)
+        tl.store(hs_ptr + out_rows * ib_count + pid_n, scale, mask=rmask)
+    else:
+        tl.store(h_ptr + out_rows[:, None] * INTER + cols[None, :], hb, mask=smask)
+
+
+@triton.jit
+def gemm2(h_desc, hs_ptr, w_desc, ws_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, y_ptr,
+          H, INTER, max_tiles, FP8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+          GROUP_M: tl.constexpr):
+    pid_m, pid_n = _program(tl.program_id(0), max_tiles, tl.cdiv(H, BN), GROUP_M)
+    if pid_m >= tl.load(num_tiles_ptr):
+        return
+    e, rows, rmask = _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr, BM)
+    # the tile's rows are consecutive: rows past its end belong to the next expert (or are past the
+    # buffer, zero-filled); their results are never stored
+    row0 = tl.load(tile_row_ptr + pid_m)
+    w_row0 = (e * H + pid_n * BN).to(tl.int32)
+    cols = pid_n * BN + tl.arange(0, BN)
+    kb_count = INTER // _SCALE_BLOCK
+    # s2 [n, H/128, I/128]
+    sb_ptrs = ws_ptr + (e * (H // _SCALE_BLOCK) + tl.minimum(cols, H - 1) // _SCALE_BLOCK) * kb_count
+    sa_ptrs = hs_ptr + rows.to(tl.int64) * kb_count
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, INTER, BK):
+        a = h_desc.load([row0, k0])
+        b = w_desc.load([w_row0, k0])
+        if FP8:
+            kblk = k0 // _SCALE_BLOCK
+            acc += tl.dot(a, b.T) * (tl.load(sa_ptrs + kblk)[:, None] * tl.load(sb_ptrs + kblk)[None, :])
+        else:
+            acc = tl.dot(a, b.T, acc)
+    out = y_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :]
+    tl.store(out, acc.to(tl.bfloat16), mask=rmask[:, None] & (cols < H)[None, :])
+
+
+def _desc(t2d, block):
+    return TensorDescriptor.from_tensor(t2d, list(block))
+
+
+def launch_gemm1(x, xs, w, ws, bias, sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs, *, hidden,
+                 inter, top_k, max_tiles, alpha, limit, fp8, gated, act, cfg):
+    """GEMM1 over w13 [n, N1, H] (gate/up interleaved); cfg = (BM, BN of h, BK, warps, stages[, GROUP_M])."""
+    bm, bn, bk, warps, stages, group_m = (*cfg, 0)[:6]
+    if fp8 and (bn != 128 or bk != 128):
+        raise ValueError(f"FP8 gemm1 needs BN = BK = 128 (one activation group, one weight block), got {cfg}")
+    bnw = 2 * bn if gated else bn
+    w_desc = _desc(w.reshape(-1, w.shape[-1]), (bnw, bk))
+    grid = (max_tiles * triton.cdiv(inter, bn),)
+    dummy = offs   # unused pointer arguments of a variant (never read)
+    gemm1[grid](x, xs if fp8 else dummy, w_desc, ws if fp8 else dummy, bias if bias is not None else dummy,
+                sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs if fp8 else dummy,
+                hidden, inter, top_k, max_tiles, alpha, limit,
+                FP8=fp8, GATED=gated, ACT=act, HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
+                num_warps=warps, num_stages=stages)
+
+
+def launch_gemm2(h, hs, w, ws, offs, tile_expert, tile_row, num_tiles, y, *, hidden, inter, max_tiles, fp8, cfg):
+    """GEMM2 over w2 [n, H, I] into bf16 rows y [pairs, H]; cfg = (BM, BN, BK, warps, stages[, GROUP_M])."""
+    bm, bn, bk, warps, stages, group_m = (*cfg, 0)[:6]
+    if fp8 and bk != 128:
+        raise ValueError(f"FP8 gemm2 needs BK = 128 (one weight block), got {cfg}")
+    grid = (max_tiles * triton.cdiv(hidden, bn),)
+    gemm2[grid](_desc(h, (bm, bk)), hs if fp8 else offs, _desc(w.reshape(-1, w.shape[-1]), (bn, bk)),
+                ws if fp8 else offs, offs, tile_expert, tile_row, num_tiles, y, hidden, inter, max_tiles,
+                FP8=fp8, BM=bm, BN=bn, BK=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages)

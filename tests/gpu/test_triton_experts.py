@@ -1,0 +1,182 @@
+"""TRITON experts on an sm_90 GPU against the VANILLA class of the same format (fp32 GEMMs, on the CPU).
+
+Every case draws fresh random weights, hidden states and routing and poisons the workspaces and
+the output with NaN first (`debug_poison`). The Triton path is forced (`path="triton"`) with each
+tile configuration the class can pick and a small one that leaves partial tiles everywhere; cases
+cover odd sizes (hidden and intermediate sizes that are not multiples of the output blocks), experts
+with no tokens, every token on the same experts (hot experts), dropped slots, an EP slice and MoE-TP
+shards that sum to the whole layer, CUDA-graph replay, and the plan's switch to the CUPY path for
+small calls.
+
+Tolerances (relative, helpers_experts.assert_rel_close), those of the CUPY tests' grouped_mm path
+and FP8 formats: bf16 RMS 1e-2, max 2^-5 (the down GEMM's rows are rounded to bf16 before the
+combine); FP8 activations RMS 3e-2, max 8e-2 (an intermediate that rounds the other way in bf16 can
+cross an FP8 rounding boundary). Graph replays: 1e-6; EP and TP splits: 4e-3 / 8e-2.
+"""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from runtime.experts.base import DictExpertSource, ExpertParallel, MoeLayerSpec
+from runtime.experts.triton_grouped import TRITON_EXPERTS, TritonWgmmaFp8BlockScalesExperts
+from runtime.experts.vanilla import VANILLA_EXPERTS
+from tests.runtime.helpers_experts import assert_rel_close, make_expert_tensors, random_hidden, random_routing
+
+pytestmark = pytest.mark.gpu
+pytest.importorskip("cupy")
+pytest.importorskip("triton")
+
+VANILLA = {cls.FORMAT: cls for cls in VANILLA_EXPERTS}
+# (hidden, intermediate): multiples of the K-blocks, not of the 128-wide output blocks (bf16)
+SHAPES = {"bf16": (320, 192), "fp8_block_scales": (384, 256)}
+
+
+def _tolerance(fmt):
+    return (3e-2, 8e-2) if fmt == "fp8_block_scales" else (1e-2, 2.0 ** -5)
+
+
+def _configs(cls):
+    """Every configuration the class plans with, and a 16-row tile with the smallest output block."""
+    small_n = 128 if cls.FORMAT == "fp8_block_scales" else 64
+    bk = 128 if cls.FORMAT == "fp8_block_scales" else 64
+    small = ((16, small_n, bk, 4, 2), (16, 64, bk, 4, 2))
+    return list(dict.fromkeys([cfg for _, cfg in cls.CONFIGS] + [small]))
+
+
+def _module(cls, spec, tensors, parallel=ExpertParallel()):
+    module = cls(spec, parallel, device="meta").to_empty(device="cuda")
+    module.load_weights(DictExpertSource({k: v for k, v in tensors.items() if k[0] in module.expert_ids}))
+    module.debug_poison = True
+    return module
+
+
+def _reference(fmt, spec, tensors, hidden, ids, weights):
+    return VANILLA[fmt].from_checkpoint(spec, ExpertParallel(), DictExpertSource(tensors))(hidden, ids, weights)
+
+
+@pytest.mark.parametrize("activation", ["silu_glu", "swiglu_oai", "relu2"])
+@pytest.mark.parametrize("cls", TRITON_EXPERTS, ids=lambda c: c.FORMAT)
+def test_triton_path_matches_vanilla(cls, activation):
+    h, i = SHAPES[cls.FORMAT]
+    bias = activation == "swiglu_oai"
+    spec = MoeLayerSpec(h, i, 8, 3, activation, expert_bias=bias)
+    tensors = make_expert_tensors(spec, cls.FORMAT, seed=zlib.crc32(f"{cls.FORMAT}{activation}".encode()) % 1000,
+                                  weight_std=3.0 if bias else 1.0)
+    module = _module(cls, spec, tensors)
+    # 1 and 5: one partial tile; 37, 300: several tiles per expert; (40, [1, 4, 6]): every token on
+    # the same three experts (hot), five experts with none
+    for tokens, experts in [(1, None), (5, None), (37, None), (300, None), (40, [1, 4, 6])]:
+        seed = 11 * tokens + len(experts or ())
+        ids, weights = random_routing(tokens, spec, seed=seed, experts=experts)
+        hidden = random_hidden(tokens, spec, seed=seed + 1)
+        expected = _reference(cls.FORMAT, spec, tensors, hidden, ids, weights)
+        for cfg in _configs(cls):
+            out = module(hidden.cuda(), ids.cuda(), weights.cuda(), path="triton", tile=cfg)
+            torch.cuda.synchronize()
+            assert out.dtype == torch.bfloat16 and not out.isnan().any(), (tokens, cfg)
+            try:
+                assert_rel_close(out.cpu(), expected, *_tolerance(cls.FORMAT))
+            except AssertionError as err:
+                raise AssertionError(f"{cls.FORMAT} {activation} tokens={tokens} experts={experts} "
+                                     f"cfg={cfg}: {err}") from None
+
+
+REAL_SHAPES = {   # the layers of the SM90 targets, fewer experts
+    "bf16": MoeLayerSpec(2048, 768, 16, 8, "silu_glu"),
+    "fp8_block_scales": MoeLayerSpec(7168, 2048, 4, 2, "silu_glu"),
+}
+
+
+@pytest.mark.parametrize("cls", TRITON_EXPERTS, ids=lambda c: c.FORMAT)
+def test_real_layer_shapes_at_prefill_sizes_take_the_triton_path(cls):
+    spec = REAL_SHAPES[cls.FORMAT]
+    tensors = make_expert_tensors(spec, cls.FORMAT, seed=21)
+    module = _module(cls, spec, tensors)
+    tokens = 200
+    assert module.plan(tokens, spec.top_k)[0] == "triton"
+    ids, weights = random_routing(tokens, spec, seed=22)
+    hidden = random_hidden(tokens, spec, seed=23)
+    out = module(hidden.cuda(), ids.cuda(), weights.cuda())
+    assert_rel_close(out.cpu(), _reference(cls.FORMAT, spec, tensors, hidden, ids, weights), *_tolerance(cls.FORMAT))
+
+
+@pytest.mark.parametrize("cls", TRITON_EXPERTS, ids=lambda c: c.FORMAT)
+def test_small_calls_run_the_cupy_path(cls):
+    spec = MoeLayerSpec(*SHAPES[cls.FORMAT], 8, 2, "silu_glu")
+    tensors = make_expert_tensors(spec, cls.FORMAT, seed=25)
+    module = _module(cls, spec, tensors)
+    assert module.plan(3, 2)[0] == "kernels"
+    ids, weights = random_routing(3, spec, seed=26)
+    hidden = random_hidden(3, spec, seed=27)
+    out = module(hidden.cuda(), ids.cuda(), weights.cuda())
+    expected = _reference(cls.FORMAT, spec, tensors, hidden, ids, weights)
+    assert_rel_close(out.cpu(), expected, *((3e-2, 8e-2) if cls.FORMAT == "fp8_block_scales" else (4e-3, 2.0 ** -6)))
+
+
+@pytest.mark.parametrize("cls", TRITON_EXPERTS, ids=lambda c: c.FORMAT)
+def test_dropped_slots_contribute_nothing(cls):
+    spec = MoeLayerSpec(*SHAPES[cls.FORMAT], 6, 1, "silu_glu")
+    tensors = make_expert_tensors(spec, cls.FORMAT, seed=31)
+    module = _module(cls, spec, tensors)
+    tokens = 130
+    ids = torch.full((tokens, 1), 4, dtype=torch.long)
+    ids[::7] = -1
+    weights = torch.rand(tokens, 1, generator=torch.Generator().manual_seed(32))
+    hidden = random_hidden(tokens, spec, seed=33)
+    expected = _reference(cls.FORMAT, spec, tensors, hidden, ids.clamp(min=0), weights * (ids >= 0))
+    out = module(hidden.cuda(), ids.cuda(), weights.cuda(), path="triton")
+    assert_rel_close(out.cpu(), expected, *_tolerance(cls.FORMAT))
+    assert torch.count_nonzero(out[::7].float()).item() == 0
+
+
+@pytest.mark.parametrize("cls", TRITON_EXPERTS, ids=lambda c: c.FORMAT)
+def test_ep_ranks_and_tp_shards_sum_to_the_whole(cls):
+    h, i = (256, 256) if cls.FORMAT == "fp8_block_scales" else (192, 128)
+    spec = MoeLayerSpec(h, i, 6, 2, "swiglu_oai", expert_bias=True)
+    tensors = make_expert_tensors(spec, cls.FORMAT, seed=51, weight_std=3.0)
+    ids, weights = random_routing(90, spec, seed=52)
+    hidden = random_hidden(90, spec, seed=53).cuda()
+    ids, weights = ids.cuda(), weights.cuda()
+    whole = _module(cls, spec, tensors)(hidden, ids, weights, path="triton").float()
+    for parallels in ([ExpertParallel(ep_size=2, ep_rank=r) for r in range(2)],
+                      [ExpertParallel(moe_tp_size=2, moe_tp_rank=r) for r in range(2)]):
+        total = sum(_module(cls, spec, tensors, p)(hidden, ids, weights, path="triton").float() for p in parallels)
+        fp8_tp = cls.FORMAT == "fp8_block_scales" and parallels[0].moe_tp_size > 1
+        assert_rel_close(total.cpu(), whole.cpu(), 4e-2 if fp8_tp else 1e-2, 8e-2)
+
+
+@pytest.mark.parametrize("tokens", [64, 300])
+def test_cuda_graph_capture_and_replay(tokens):
+    cls = TritonWgmmaFp8BlockScalesExperts
+    spec = MoeLayerSpec(384, 256, 8, 2, "swiglu_oai", expert_bias=True)
+    module = _module(cls, spec, make_expert_tensors(spec, cls.FORMAT, seed=41, weight_std=3.0))
+    module.debug_poison = False
+    hidden = torch.empty(tokens, spec.hidden_size, dtype=torch.bfloat16, device="cuda")
+    ids = torch.empty(tokens, spec.top_k, dtype=torch.long, device="cuda")
+    weights = torch.empty(tokens, spec.top_k, dtype=torch.float32, device="cuda")
+
+    def fresh(seed):
+        i, w = random_routing(tokens, spec, seed=seed)
+        hidden.copy_(random_hidden(tokens, spec, seed=seed + 1))
+        ids.copy_(i)
+        weights.copy_(w)
+
+    fresh(42)
+    module.prepare("cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        module(hidden, ids, weights, path="triton")
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = module(hidden, ids, weights, path="triton")
+    for seed in (43, 44, 45):
+        fresh(seed)
+        graph.replay()
+        eager = module(hidden, ids, weights, path="triton")
+        torch.cuda.synchronize()
+        assert_rel_close(out.float().cpu(), eager.float().cpu(), 1e-6, 1e-6)
