@@ -1,7 +1,7 @@
 """`explain`: for each matching target, whether its build serves the selection and every MoE layer
 kind's request, winner and why, as text or JSON.
 
-It replays the router's own decision (`registry.router.decide`, on the index entry the generator
+It replays the build index's own decision (`registry.build_index.decide`, on the index entry the generator
 writes for the target) and the resolution the generic build runs, on any host: the SM is an
 argument, nothing probes the machine (RULES TG6, LR5). What it says serves is what `load_model` loads.
 """
@@ -12,11 +12,13 @@ import json
 from dataclasses import dataclass, replace
 
 from codegen.plan import index_entry, target_plan
+from contract import ANY, ROLE_NAMES
+from registry.build_index import Decision, bound_layers, decide
 from registry.declarations import Declaration, TargetDecl, matching_targets
 from registry.model import NON_NEURAL_MODES
-from registry.model_resolve import ANY, ROLE_NAMES, ModelResolution, resolve_model, span
+from registry.layer_task import span
+from registry.model_resolve import ModelResolution, resolve_model
 from registry.resolve import LayerReport
-from registry.router import Decision, bound_layers, decide
 from registry.selection import Selection
 
 

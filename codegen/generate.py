@@ -19,13 +19,13 @@ from pathlib import Path
 from codegen.files import Output, changed, check_outputs, orphans, remove_orphans, remove_stale_temps, verify_outputs, write_verified
 from codegen.outputs import ALL_COMMAND, build_outputs, docs_outputs, generic_draft_modes, index_outputs, model_outputs
 from codegen.plan import BuildPlan, generic_plan, index_entry, target_plan
+from registry.build_index import Decision, decide
 from registry.declarations import MODELS_DIR, Declaration, TargetDecl, find_model, matching_targets
 from registry.errors import DeclarationError, NotHonoredError, SelectionError
 from registry.families import RUNTIME_FAMILIES
 from registry.impls import Registry, load_registry
 from registry.inputs import text_of_path
 from registry.model_resolve import ModelResolution
-from registry.router import Decision, decide
 from registry.selection import Selection
 from registry.tactics import parse_tactic
 

@@ -13,11 +13,11 @@ import hashlib
 import json
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 
+from registry.build_index import bound_layers
 from registry.declarations import Declaration, TargetDecl, resolve_target
-from registry.model import NON_NEURAL_MODES
-from registry.model_resolve import ANY, ModelResolution
+from registry.model import NON_NEURAL_MODES, facts_to_literal
+from registry.model_resolve import ModelResolution
 from registry.resolve import moe_impl_request
-from registry.router import bound_layers, facts_to_literal
 from registry.selection import DRAFT_TACTIC, TARGET_TACTIC, Selection, check_selection
 
 
@@ -54,8 +54,8 @@ class BuildPlan:
     config: dict
     layers: tuple[LayerPlan, ...]
     draft: DraftPlan | None
-    moe_impls_honored: list | str | None
-    draft_moe_impls_honored: list | str | None
+    moe_impls_honored: tuple | str | None        # contract.Honored.literal()
+    draft_moe_impls_honored: tuple | str | None
     resolution: dict
     bound: tuple = ()
     facts: dict = field(default_factory=dict)   # generic builds: facts per checkpoint
@@ -72,13 +72,6 @@ class BuildPlan:
     def bound_ids(self) -> tuple[str, ...]:
         ids = {l.impl for l in self.layers if l.impl} | ({l.impl for l in self.draft.layers if l.impl} if self.draft else set())
         return tuple(sorted(ids))
-
-    @property
-    def bound_classes(self) -> tuple[str, ...]:
-        paths = {l.class_path for l in self.layers if l.class_path}
-        if self.draft:
-            paths |= {l.class_path for l in self.draft.layers if l.class_path}
-        return tuple(sorted(paths))
 
 
 def _plain(value):
@@ -110,12 +103,6 @@ def class_name(decl: Declaration, target: TargetDecl | None) -> str:
     if target is None:
         return camel(decl.model.name, "generic") + "ForCausalLM"
     return camel(target.checkpoint, f"sm{target.sm}", target.parallel) + "ForCausalLM"
-
-
-def _honored_literal(value):
-    if value is None or value == ANY:
-        return value
-    return sorted(value)
 
 
 def resolution_dict(resolution: ModelResolution) -> dict:
@@ -171,8 +158,8 @@ def target_plan(decl: Declaration, target: TargetDecl, selection: Selection | No
         config=decl.config,
         layers=_layer_table(decl, resolution),
         draft=_draft_plan(decl, selection, resolution),
-        moe_impls_honored=_honored_literal(target.moe_impls_honored),
-        draft_moe_impls_honored=_honored_literal(target.draft_moe_impls_honored),
+        moe_impls_honored=target.honored().literal(),
+        draft_moe_impls_honored=target.honored(draft=True).literal(),
         resolution=resolution_dict(resolution),
         bound=tuple(bound_layers(resolution)),
     )
@@ -180,7 +167,7 @@ def target_plan(decl: Declaration, target: TargetDecl, selection: Selection | No
 
 
 def index_entry(plan: BuildPlan) -> dict:
-    """A build's entry in the router index: its key, module, honored ids and what it binds (RULES TG6)."""
+    """A build's entry in the build index: its key, module, honored ids and what it binds (RULES TG6)."""
     return {
         "name": plan.target,
         "model": plan.model,

@@ -54,8 +54,8 @@ _ATTRIBUTES = {
                      # the speculative draft load_model attaches (RULES SD)
                      "spec_mode", "DRAFT_CLASS", "eval", "moe_tp", "ep", "update", "target"}),
 }
-# The root package imports the stdlib modules below, the runtime and the registry (it routes and launches).
-_ROOT_IMPORTS = frozenset({"importlib", "logging", "pathlib", "sys", "runtime", "registry"})
+# The root package imports the stdlib modules below, the contract, the runtime and the registry (it picks builds and launches).
+_ROOT_IMPORTS = frozenset({"importlib", "logging", "pathlib", "sys", "contract", "runtime", "registry"})
 
 # Calls that would load a class by name at run time, and so undo the pre-binding of a specialized build.
 _DYNAMIC_LOADERS = ("__import__", "import_module", "load_class")
@@ -87,8 +87,8 @@ def claims_for_modeling(plan, registry) -> Claims:
     ids = sorted({l.impl for l in plan.layers if l.impl})
     return Claims(
         kind=SPECIALIZED,
-        honored=_honored(plan.moe_impls_honored),
-        draft_honored=_honored(plan.draft_moe_impls_honored),
+        honored=plan.moe_impls_honored,
+        draft_honored=plan.draft_moe_impls_honored,
         implementations={i: (registry.impl(i).class_name, registry.impl(i).family) for i in ids},
         experts=_experts(ids, registry),
         layers=tuple(l.impl for l in plan.layers),
@@ -100,7 +100,7 @@ def claims_for_draft(plan, registry) -> Claims:
     ids = sorted({l.impl for l in plan.draft.layers if l.impl})
     return Claims(
         kind=DRAFT,
-        draft_honored=_honored(plan.draft_moe_impls_honored),
+        draft_honored=plan.draft_moe_impls_honored,
         implementations={i: (registry.impl(i).class_name, registry.impl(i).family) for i in ids},
         experts=_experts(ids, registry),
         draft_layers=tuple((l.index, l.impl) for l in plan.draft.layers),
@@ -110,11 +110,6 @@ def claims_for_draft(plan, registry) -> Claims:
 GENERIC_CLAIMS = Claims(kind=GENERIC)
 DATA_CLAIMS = Claims(kind=DATA)
 ROOT_CLAIMS = Claims(kind=ROOT)
-
-
-def _honored(value):
-    # The template writes a declared list as a tuple; "*" and None as they are.
-    return tuple(value) if isinstance(value, list) else value
 
 
 def _experts(ids, registry) -> dict:

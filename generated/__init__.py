@@ -110,9 +110,10 @@ def load_model(
     Returns the model (a torch module); under a neural speculative mode its draft build is `model.draft`
     (`model.generate(..., speculative=k)` decodes with it). Raises a moegen error naming what did not match under `require`.
     """
+    from contract import Layout
     from registry.errors import SelectionError
-    from registry.parallel import Layout, parse_layout
-    from registry.router import facts_from_literal, route
+    from registry.build_index import pick_build
+    from registry.model import facts_from_literal, layout_of
 
     if model not in INDEX["models"]:
         raise SelectionError(f"no generated build of model {model!r}; generated: {', '.join(sorted(INDEX['models']))}")
@@ -120,9 +121,9 @@ def load_model(
     name = _checkpoint_name(facts_module, model, checkpoint, checkpoint_name)
     facts = facts_from_literal(facts_module.FACTS[name])
     profiles = {k: Layout(*v) for k, v in facts_module.PROFILES.items()}
-    layout = parse_layout(parallel, profiles)
+    layout = layout_of(parallel, profiles)
     selection = _selection(moe_config, speculative_config)
-    chosen = route(INDEX, facts, sm, parallel, layout.as_tuple(), selection, mode)
+    chosen = pick_build(INDEX, facts, sm, parallel, layout.as_tuple(), selection, mode)
     module = importlib.import_module(chosen.module, __name__)
     for reason in chosen.reasons:
         # Falling back is allowed, silently falling back is not (RULES TG5); `off` asked for it.

@@ -16,14 +16,14 @@ Collectives wait at most `--timeout` seconds, else MOEGEN_DIST_TIMEOUT_S, else 3
 import importlib
 import sys
 
+from contract import Layout
 from runtime import launch
-from runtime.parallel import Layout
 
 from . import _checkpoint_name, _selection, load_model
 from ._router_index import INDEX
 
 # Imported once by the fork server that starts CPU ranks (the registry: generic builds resolve at load).
-PRELOAD = (__package__, "registry.generic", "registry.router")
+PRELOAD = (__package__, "registry.generic", "registry.build_index")
 
 
 def _facts(model):
@@ -36,21 +36,20 @@ def describe(model, sm, parallel, checkpoint=None, checkpoint_name=None, spec_mo
     """The run's target name and layout numbers, refused (ValueError) before any rank starts when unknown
     (or when the model has no draft for `spec_mode`)."""
     from registry.errors import MoegenError
+    from registry.model import facts_from_literal, layout_of
     from registry.model_resolve import resolve_model
-    from registry.parallel import Layout as LayoutName, parse_layout
-    from registry.router import facts_from_literal
 
     facts = _facts(model)
     try:
         name = _checkpoint_name(facts, model, checkpoint, checkpoint_name)
-        numbers = parse_layout(parallel, {k: LayoutName(*v) for k, v in facts.PROFILES.items()})
+        layout = layout_of(parallel, {k: Layout(*v) for k, v in facts.PROFILES.items()})
         if spec_mode is not None:
             selection = _selection(None, {"mode": spec_mode})
-            resolve_model(facts_from_literal(facts.FACTS[name]), selection, sm, numbers.moe_tp, numbers.ep)
+            resolve_model(facts_from_literal(facts.FACTS[name]), selection, sm, layout.moe_tp, layout.ep)
     except MoegenError as e:
         raise ValueError(str(e)) from None
     return launch.RunTarget(
-        name=f"{name}__sm_{sm}__{parallel}", parallel=parallel, layout=Layout(*numbers.as_tuple()),
+        name=f"{name}__sm_{sm}__{parallel}", parallel=parallel, layout=layout,
         vocab_size=facts.CONFIG["vocab_size"], checkpoint_name=name,
     )
 
@@ -60,8 +59,9 @@ def write_tiny(model, sm, checkpoint_name, folder, seed=0):
     (names and shapes only, so even a build bound to GPU-only kernels writes it on a CPU host), plus the
     tensors of the one-rank specialized build's embedded MTP draft where it has one (the builds that do not run the
     draft ignore them, as they ignore a real checkpoint's MTP layers)."""
+    from registry.build_index import matching
     from registry.errors import MoegenError
-    from registry.router import facts_from_literal, matching
+    from registry.model import facts_from_literal
     from runtime.checkpoint.writer import random_tensors, save_checkpoint
 
     facts = _facts(model)

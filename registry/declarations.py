@@ -14,16 +14,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from contract import PARALLEL_NAME, Honored, Layout, layout_grammar
 from registry.configs import CONFIGS, ConfigError, validate_config
-from registry.eligibility import Deployment, eligibility
+from registry.eligibility import Deployment, Problem, eligibility
 from registry.errors import DeclarationError, MoegenError
 from registry.families import FAMILIES, FamilySpec
 from registry.formats import CHECKPOINT_ALGOS, CheckpointQuant, expert_format
 from registry.impls import AUTO, Registry, load_registry
 from registry.inputs import read_toml
-from registry.model import SPEC_MODES, DraftFacts, ModelFacts, MoeSite
-from registry.model_resolve import ANY, Honored, layer_problem
-from registry.parallel import NAME_RE, Layout, layout_grammar, parse_layout
+from registry.model import SPEC_MODES, DraftFacts, ModelFacts, MoeSite, layout_of
 from registry.selection import Selection, check_selection
 from registry.toml_lines import line_of
 
@@ -152,7 +151,7 @@ class SelectionDecl(_Strict):
 class TargetDecl(_Strict):
     checkpoint: str
     sm: int = Field(ge=10, le=999)
-    parallel: str = Field(pattern=NAME_RE.pattern)
+    parallel: str = Field(pattern=PARALLEL_NAME.pattern)
     doc: str = ""
     moe_impls_honored: tuple[str, ...] | Literal["*"] | None = None
     draft_moe_impls_honored: tuple[str, ...] | Literal["*"] | None = None
@@ -163,19 +162,15 @@ class TargetDecl(_Strict):
     def _honored_shape(cls, value):
         """One clear message for a value of the wrong shape (pydantic alone reports the union's first
         member: `targets[0].moe_impls_honored.tuple[str, ...]: Input should be a valid tuple`)."""
-        if value is None or value == ANY or (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)):
-            return value
-        raise ValueError(f'{value!r} is not a list of implementation ids, "*" (any) or left out (honors none) (RULES TG2)')
+        Honored.parse(value)   # refuses any other shape (a ValueError, which pydantic reports at the field)
+        return value
 
     @property
     def name(self) -> str:
         return f"{self.checkpoint}__sm_{self.sm}__{self.parallel}"
 
     def honored(self, draft: bool = False) -> Honored:
-        value = self.draft_moe_impls_honored if draft else self.moe_impls_honored
-        if value is None or value == ANY:
-            return value
-        return frozenset(value)
+        return Honored.parse(self.draft_moe_impls_honored if draft else self.moe_impls_honored)
 
 
 class Declaration(_Strict):
@@ -201,7 +196,7 @@ class Declaration(_Strict):
 
     def layout(self, parallel: str) -> Layout:
         profiles = {k: Layout(p.tp, p.moe_tp, p.ep, p.dp) for k, p in self.parallel_profiles.items()}
-        return parse_layout(parallel, profiles)
+        return layout_of(parallel, profiles)
 
     def facts(self, checkpoint: str | None = None) -> ModelFacts:
         """The model as the selection rules see it, for one of its checkpoints (default: the first)."""
@@ -391,9 +386,9 @@ def _check_against_registry(decl: Declaration, text: str, shown: str, registry: 
         layout = decl.layout(target.parallel)
         deployment = Deployment(sm=target.sm, moe_tp=layout.moe_tp, ep=layout.ep)
         for side, value in (("moe_impls_honored", target.moe_impls_honored), ("draft_moe_impls_honored", target.draft_moe_impls_honored)):
-            if value is None or value == ANY:
-                continue
             draft = side == "draft_moe_impls_honored"
+            if target.honored(draft).restricts is None:
+                continue   # "*" or left out: no id to check
             layers = _side_layers(facts, draft, target.sm, registry)
             formats = set().union(*(f for _, f, _ in layers))
             for k, impl_id in enumerate(value):
@@ -408,7 +403,7 @@ def _check_against_registry(decl: Declaration, text: str, shown: str, registry: 
                         "list an implementation that can serve them (RULES TG2)"
                     )
                 rejections = [
-                    eligibility(impl, layer_problem(impl.format, shape), deployment)
+                    eligibility(impl, Problem.of(impl.format, shape), deployment)
                     for _, fmts, shape in layers if impl.format in fmts
                 ]
                 if all(rejections):

@@ -22,7 +22,13 @@ CORE = (
     "formats",
     "families",
     "model",
+    "layer_task",
+    "tactic_advice",
+    "model_layers",
+    "draft_resolve",
     "model_resolve",
+    "build_index",
+    "generic",
     "selection",
 )
 
