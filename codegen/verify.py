@@ -6,118 +6,20 @@ GN4: so code a declaration value smuggled in fails here even if a template slips
 file must import nothing but torch, the runtime's ops and the experts classes of the implementations
 its plan binds (never the resolver), with the constants it declares equal to the plan's. libcst, not `ast`, because it is the concrete tree the rules name and
 keeps every token of the text it checks. A violated claim is a `GenerationError` naming the file, the
-line and the claim; `verify_tree` runs the same claims on a checked-in tree for the tests.
+line and the claim; `verify_tree` runs the same claims on a checked-in tree for the tests. What each
+kind of file must say, and its allow-list, is `codegen.claims`.
 """
 
 from __future__ import annotations
 
 import ast
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from codegen.claims import (ATTRIBUTES, BUILTINS, DATA, DATA_CLAIMS, DRAFT, DYNAMIC_LOADERS, EXPERTS_CONTRACT, GENERIC,
+                            GENERIC_CLAIMS, ROOT, ROOT_CLAIMS, ROOT_IMPORTS, SPECIALIZED, Claims, claims_for_draft,
+                            claims_for_modeling)
 from codegen.files import GenerationError
-
-SPECIALIZED, DRAFT, GENERIC = "specialized", "draft", "generic"
-DATA, ROOT = "data", "root"   # constants only (facts, router index, package docstrings); the root package's code
-
-# The allow-list (RULES GN4): the builtins each kind of module may name besides what it binds itself
-# (so never eval, exec, open, getattr, __import__, globals...), the attributes it may read (the
-# runtime, torch and nn API the templates use; no dunder but __init__), the modules it may import.
-_MODEL_BUILTINS = frozenset({"True", "False", "None", "super", "range", "len", "tuple", "enumerate", "str", "float", "ValueError"})
-_BUILTINS = {
-    SPECIALIZED: _MODEL_BUILTINS,
-    DRAFT: _MODEL_BUILTINS,
-    GENERIC: _MODEL_BUILTINS,
-    DATA: frozenset({"True", "False", "None", "float"}),   # float('nan') and float('inf'): codegen.render.py
-    ROOT: _MODEL_BUILTINS | {"bool", "dict", "list", "sorted", "isinstance", "getattr", "next", "__name__", "__package__"},
-}
-_MODEL_ATTRIBUTES = frozenset({
-    # torch and torch.nn
-    "arange", "bfloat16", "device", "dtype", "shape", "Module", "ModuleDict", "ModuleList", "add_module", "__init__",
-    # runtime.build, runtime.parallel.Layout, the generic build's resolution
-    "check_placement", "check_rank", "init_random", "load_class", "log_implementations", "cpu_impls", "implementations",
-    "resolution", "layers", "layout", "ep", "ep_rank", "moe_tp", "moe_tp_rank", "tp", "tp_rank", "world", "items",
-    # the modules a build is made of (checkpoint names)
-    "model", "embed_tokens", "self_attn", "mlp", "block_sparse_moe", "input_layernorm", "post_attention_layernorm",
-    "norm", "rotary_emb", "lm_head", "shared_head", "blocks", "new_cache", "hidden_states", "rank",
-    # draft builds (MTP, generic MTP resolved at load, Eagle3, external drafters)
-    "spec_mode", "draft_layers", "_layers", "head", "midlayer", "to_target_ids", "share_embedding",
-})
-_ATTRIBUTES = {
-    SPECIALIZED: _MODEL_ATTRIBUTES,
-    DRAFT: _MODEL_ATTRIBUTES,
-    GENERIC: _MODEL_ATTRIBUTES,
-    DATA: frozenset(),
-    ROOT: frozenset({"CONFIG", "FACTS", "FAMILY", "PROFILES", "QUANT", "MODEL_CLASS", "INFO", "WARNING", "RunTarget", "as_tuple",
-                     "exit", "format", "get", "getLogger", "import_module", "init_random", "items", "join", "kind",
-                     "load_checkpoint", "log", "main", "module", "reasons", "__name__",
-                     # the speculative draft load_model attaches (RULES SD)
-                     "spec_mode", "DRAFT_CLASS", "eval", "moe_tp", "ep", "update", "target"}),
-}
-# The root package imports the stdlib modules below, the contract, the runtime and the registry (it picks builds and launches).
-_ROOT_IMPORTS = frozenset({"importlib", "logging", "pathlib", "sys", "contract", "runtime", "registry"})
-
-# Calls that would load a class by name at run time, and so undo the pre-binding of a specialized build.
-_DYNAMIC_LOADERS = ("__import__", "import_module", "load_class")
-# The only runtime.experts module a build may import besides its bound classes' modules: the contract.
-_EXPERTS_CONTRACT = "runtime.experts.base"
-
-
-@dataclass(frozen=True)
-class Claims:
-    """What a build file must say, computed from its plan and the registry (never from the template).
-
-    `honored`/`draft_honored` are the literals `MOE_IMPLS_HONORED`/`DRAFT_MOE_IMPLS_HONORED` must hold;
-    `implementations` maps each bound id to (experts class name, family); `experts` maps each bound
-    class's module to the class names the file must import from it, and nothing else from
-    `runtime.experts`; `layers` is `LAYERS` (modeling.py), `draft_layers` is `DRAFT_LAYERS` (draft.py).
-    """
-
-    kind: str
-    honored: object = None
-    draft_honored: object = None
-    implementations: dict = field(default_factory=dict)
-    experts: dict = field(default_factory=dict)
-    layers: tuple | None = None
-    draft_layers: tuple | None = None
-
-
-def claims_for_modeling(plan, registry) -> Claims:
-    """A specialized `modeling.py`: its target layers' bound ids, classes, honored sets and layer table."""
-    ids = sorted({l.impl for l in plan.layers if l.impl})
-    return Claims(
-        kind=SPECIALIZED,
-        honored=plan.moe_impls_honored,
-        draft_honored=plan.draft_moe_impls_honored,
-        implementations={i: (registry.impl(i).class_name, registry.impl(i).family) for i in ids},
-        experts=_experts(ids, registry),
-        layers=tuple(l.impl for l in plan.layers),
-    )
-
-
-def claims_for_draft(plan, registry) -> Claims:
-    """A specialized `draft.py`: the draft layers' bound ids and classes."""
-    ids = sorted({l.impl for l in plan.draft.layers if l.impl})
-    return Claims(
-        kind=DRAFT,
-        draft_honored=plan.draft_moe_impls_honored,
-        implementations={i: (registry.impl(i).class_name, registry.impl(i).family) for i in ids},
-        experts=_experts(ids, registry),
-        draft_layers=tuple((l.index, l.impl) for l in plan.draft.layers),
-    )
-
-
-GENERIC_CLAIMS = Claims(kind=GENERIC)
-DATA_CLAIMS = Claims(kind=DATA)
-ROOT_CLAIMS = Claims(kind=ROOT)
-
-
-def _experts(ids, registry) -> dict:
-    modules: dict[str, set[str]] = {}
-    for impl_id in ids:
-        impl = registry.impl(impl_id)
-        modules.setdefault(impl.module, set()).add(impl.class_name)
-    return {m: frozenset(n) for m, n in modules.items()}
 
 
 def verify_python(path: str, text: str, claims: Claims | None = None) -> None:
@@ -186,7 +88,7 @@ class _Checker:
         elif self.claims.kind in (SPECIALIZED, DRAFT):
             self.check_imports(imports)
             for node, name in calls:
-                if name in _DYNAMIC_LOADERS:
+                if name in DYNAMIC_LOADERS:
                     self.fail(node, "a specialized build is pre-bound", f"it calls {name}(), which loads code by name at run time")
             self.check_constants()
         # Last, so that a broken template claim above is reported by its own, more specific message.
@@ -201,7 +103,7 @@ class _Checker:
         kind = self.claims.kind
         for imp in imports:
             root = imp.module.split(".")[0]
-            if kind == DATA or (kind == ROOT and root not in _ROOT_IMPORTS and not imp.module.startswith(".")):
+            if kind == DATA or (kind == ROOT and root not in ROOT_IMPORTS and not imp.module.startswith(".")):
                 self.fail(imp.node, "imports only what its kind may", f"it imports {imp.module}", "GN4")
         bound, definitions, called, dotted, refused = set(), set(), set(), set(), []
         for node in _walk(self.module):
@@ -227,13 +129,13 @@ class _Checker:
                 definitions.add(id(node.keyword))
             elif isinstance(node, libcst.Attribute):
                 definitions.add(id(node.attr))
-                if node.attr.value not in _ATTRIBUTES[kind]:
+                if node.attr.value not in ATTRIBUTES[kind]:
                     refused.append((node, "uses only the runtime API its kind may", f"it reads the attribute .{node.attr.value}"))
             elif isinstance(node, (libcst.Global, libcst.Nonlocal)):
                 definitions.update(id(item.name) for item in node.names)
             elif isinstance(node, libcst.Call) and isinstance(node.func, libcst.Name):
                 called.add(id(node.func))
-        allowed = bound | _BUILTINS[kind]
+        allowed = bound | BUILTINS[kind]
         for node in _walk(self.module):
             if isinstance(node, libcst.Name) and id(node) not in definitions and node.value not in allowed:
                 what = f"it calls {node.value}()" if id(node) in called else f"it names {node.value}"
@@ -270,7 +172,7 @@ class _Checker:
                 parts = target.split(".")
                 if len(parts) > 1 and parts[1] == "kernels":
                     self.fail(imp.node, allowed, f"it imports {target} (kernels are reached through the bound experts classes)")
-                if len(parts) < 2 or parts[1] != "experts" or target == _EXPERTS_CONTRACT:
+                if len(parts) < 2 or parts[1] != "experts" or target == EXPERTS_CONTRACT:
                     continue
                 if target not in self.claims.experts:
                     self.fail(imp.node, "imports exactly its bound experts classes",
@@ -297,7 +199,7 @@ class _Checker:
                           f"it imports {imp.module}")
             targets = [imp.module] if imp.module != "runtime" or imp.names is None else [f"runtime.{n}" for n in imp.names]
             for target in targets:
-                if target.startswith("runtime.experts") and target != _EXPERTS_CONTRACT:
+                if target.startswith("runtime.experts") and target != EXPERTS_CONTRACT:
                     self.fail(imp.node, "a generic build imports no experts class directly", f"it imports {target}")
 
     # -- constants -------------------------------------------------------------------------------------
