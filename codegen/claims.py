@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SPECIALIZED, DRAFT, GENERIC = "specialized", "draft", "generic"
-DATA, ROOT = "data", "root"   # constants only (facts, router index, package docstrings); the root package's code
+DATA, ROOT = "data", "root"   # constants only (facts, the build index, package docstrings); the root package's code
 
 # The allow-list (RULES GN4): the builtins each kind of module may name besides what it binds itself
 # (so never eval, exec, open, getattr, __import__, globals...), the attributes it may read (the

@@ -31,7 +31,7 @@ class Explained:
     target: TargetDecl | None
     parallel: str
     resolution: ModelResolution   # the target's claim (its honored ids), or the generic build's
-    decision: Decision | None     # the router's decision for the target; None without one
+    decision: Decision | None     # the build index's decision for the target; None without one
     generic: ModelResolution | None = None   # what the generic build binds when the target does not serve
     generic_draft: bool = False   # the generic build constructs the draft of the selection's mode
 
@@ -78,7 +78,7 @@ def _generic_holds_draft(decl: Declaration, mode: str | None) -> bool:
 
 
 def _target_site(decl: Declaration, target: TargetDecl, selection: Selection) -> Explained:
-    """The router's decision on the index entry the generator writes for this target's declared build."""
+    """The build index's decision on the index entry the generator writes for this target's declared build."""
     layout = decl.layout(target.parallel)
     facts = decl.facts(target.checkpoint)
     decision = decide(index_entry(target_plan(decl, target)[0]), facts, selection, layout.as_tuple())

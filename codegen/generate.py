@@ -7,7 +7,7 @@ target's declared one, or a model declared only through `--models`, is an explor
 refused: under `auto` the model's generic build is written instead (planned and headed with the
 selection), under `require` nothing is written and the command fails (RULES TG5). A declared target
 must claim its own declared selection. Each target is planned once per command: the declared plans
-feed the builds, the router index and the exploration alike.
+feed the builds, the build index and the exploration alike.
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def model_generation(
         planned = by_name.get(target.name) if same else None
         if planned is None:
             planned = Planned(target, *target_plan(decl, target, selection or declared))
-        # The router's decision on the build this command writes (RULES TG6): what is refused here is
+        # The build index's decision on the build this command writes (RULES TG6): what is refused here is
         # what `load_model` would refuse.
         decision = decide(index_entry(planned.plan), decl.facts(target.checkpoint), selection or declared, planned.plan.layout)
         if not decision.serves:

@@ -157,7 +157,7 @@ def _load_draft(model, name, sm, parallel, chosen, selection, checkpoint, draft_
     if mode in NON_NEURAL_MODES:
         return None, f"speculative_config.mode {mode!r} has no neural draft: decoded with the target alone"
     if chosen.kind == "specialized":
-        # The router served this build only because it holds the draft of this mode (RULES TG6).
+        # The build index picked this build only because it holds the draft of this mode (RULES TG6).
         held = next(t["draft"] for t in INDEX["targets"] if t["name"] == chosen.target)
         kind = held["kind"]
         draft = importlib.import_module(held["module"], __name__).DRAFT_CLASS(device=device, rank=rank, **extra)

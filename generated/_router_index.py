@@ -2,7 +2,7 @@
 # Regenerate: python -m codegen generate --all
 # Fingerprint: sha256:09888145d3374be8b9fd521f479e042095fe70e44d083398574098ed3ce8ec95
 # The router's index of every build in this package.
-"""Every generated build: the key the router matches, the module, the honored ids and the bound ids (RULES TG6)."""
+"""The build index: every generated build's key (model, checkpoint, SM, parallel), module, honored ids and bound ids (RULES TG6)."""
 
 INDEX = {
     "models": {

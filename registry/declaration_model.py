@@ -16,7 +16,7 @@ from registry.errors import DeclarationError, MoegenError
 from registry.families import FAMILIES, FamilySpec
 from registry.formats import CHECKPOINT_ALGOS, CheckpointQuant, expert_format
 from registry.impls import AUTO
-from registry.model import SPEC_MODES, DraftFacts, ModelFacts, MoeSite, layout_of
+from registry.model import DRAFT_KINDS, SPEC_MODES, DraftFacts, ModelFacts, MoeSite, layout_of
 from registry.selection import Selection
 
 TOKEN = r"^[a-z][a-z0-9_]*$"
@@ -71,7 +71,7 @@ EAGLE3_KEYS = ("vocab_size", "draft_vocab_size", "hidden_size", "target_hidden_s
 
 class DraftDecl(_Strict):
     name: str = Field(pattern=TOKEN)
-    kind: Literal["embedded_mtp", "replacement_mtp", "external", "eagle3", "draft_stages"]
+    kind: Literal[DRAFT_KINDS]  # type: ignore[valid-type]
     modes: tuple[str, ...] = Field(min_length=1)
     doc: str = ""
     vanilla_with_target: bool = False                   # DR5

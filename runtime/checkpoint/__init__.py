@@ -4,7 +4,6 @@
 canonical per-expert form whatever the family's layout; `load_checkpoint` validates everything, then
 fills a build's parameters and its experts modules. All failures are `CheckpointError`.
 """
-from runtime.checkpoint.drafts import mtp_tensor_patterns
 from runtime.checkpoint.errors import CheckpointError
 from runtime.checkpoint.experts_sources import (LAYOUTS, GptOssFusedSource, PerExpertSource, detect_layout,
                                                 experts_source)
@@ -12,5 +11,4 @@ from runtime.checkpoint.loader import LoadReport, find_experts_modules, load_che
 from runtime.checkpoint.reader import CheckpointReader, TensorInfo
 
 __all__ = ["CheckpointError", "CheckpointReader", "GptOssFusedSource", "LAYOUTS", "LoadReport", "PerExpertSource",
-           "TensorInfo", "detect_layout", "experts_source", "find_experts_modules", "load_checkpoint",
-           "mtp_tensor_patterns"]
+           "TensorInfo", "detect_layout", "experts_source", "find_experts_modules", "load_checkpoint"]
