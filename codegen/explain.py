@@ -81,7 +81,7 @@ def _target_site(decl: Declaration, target: TargetDecl, selection: Selection) ->
     """The build index's decision on the index entry the generator writes for this target's declared build."""
     layout = decl.layout(target.parallel)
     facts = decl.facts(target.checkpoint)
-    decision = decide(index_entry(target_plan(decl, target)[0]), facts, selection, layout.as_tuple())
+    decision = decide(index_entry(target_plan(decl, target)[0]), facts, selection, layout)
     generic = None if decision.serves else resolve_model(facts, selection, target.sm, layout.moe_tp, layout.ep)
     return Explained(decl.model.name, target.name, target, target.parallel, decision.resolution, decision, generic)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from codegen.files import Output, changed, check_outputs, orphans, remove_orphans, remove_stale_temps, verify_outputs, write_verified
 from codegen.outputs import ALL_COMMAND, build_outputs, docs_outputs, generic_draft_modes, index_outputs, model_outputs
 from codegen.plan import BuildPlan, generic_plan, index_entry, target_plan
+from contract import Layout
 from registry.build_index import Decision, decide
 from registry.declarations import MODELS_DIR, Declaration, TargetDecl, find_model, matching_targets
 from registry.errors import DeclarationError, NotHonoredError, SelectionError
@@ -208,7 +209,7 @@ def model_generation(
             planned = Planned(target, *target_plan(decl, target, selection or declared))
         # The build index's decision on the build this command writes (RULES TG6): what is refused here is
         # what `load_model` would refuse.
-        decision = decide(index_entry(planned.plan), decl.facts(target.checkpoint), selection or declared, planned.plan.layout)
+        decision = decide(index_entry(planned.plan), decl.facts(target.checkpoint), selection or declared, Layout(*planned.plan.layout))
         if not decision.serves:
             refusals.append(decision)
         elif not (same and into_repo):

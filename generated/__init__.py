@@ -123,7 +123,7 @@ def load_model(
     profiles = {k: Layout(*v) for k, v in facts_module.PROFILES.items()}
     layout = layout_of(parallel, profiles)
     selection = _selection(moe_config, speculative_config)
-    chosen = pick_build(INDEX, facts, sm, parallel, layout.as_tuple(), selection, mode)
+    chosen = pick_build(INDEX, facts, sm, parallel, layout, selection, mode)
     module = importlib.import_module(chosen.module, __name__)
     for reason in chosen.reasons:
         # Falling back is allowed, silently falling back is not (RULES TG5); `off` asked for it.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from contract import Honored
+from contract import Honored, Layout
 from registry.errors import NotHonoredError, SelectionError
 from registry.layer_task import span
 from registry.model import NON_NEURAL_MODES, ModelFacts
@@ -55,14 +55,13 @@ class Decision:
         return tuple(f"{self.target}: {c.text}" for c in self.criteria if c.ok is False)
 
 
-def decide(entry: dict, facts: ModelFacts, selection: Selection, layout: tuple[int, int, int, int]) -> Decision:
+def decide(entry: dict, facts: ModelFacts, selection: Selection, layout: Layout) -> Decision:
     """TG6 for one target of the index: it serves only when it claims the selection (TG3, TG4), its
     build is bound to exactly what the selection resolves to, and it holds the draft the selection's
     speculative mode needs. `explain`, `generate` and `load_model` all decide here."""
     name = entry["name"]
-    _, moe_tp, ep, _ = layout
     claimed = resolve_model(
-        facts, selection, entry["sm"], moe_tp, ep,
+        facts, selection, entry["sm"], layout.moe_tp, layout.ep,
         honored=Honored.parse(entry["moe_impls_honored"]), draft_honored=Honored.parse(entry["draft_moe_impls_honored"]),
     )
     now = _by_layers(bound_layers(claimed), draft=False)
@@ -119,7 +118,7 @@ def pick_build(
     facts: ModelFacts,
     sm: int,
     parallel: str,
-    layout: tuple[int, int, int, int],
+    layout: Layout,
     selection: Selection,
     mode: str = "auto",
 ) -> BuildChoice:
@@ -127,11 +126,10 @@ def pick_build(
     if mode not in MODES:
         raise SelectionError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     model = index["models"][facts.model]
-    tp, moe_tp, ep, dp = layout
 
     def generic() -> ModelResolution:
         # Resolved only when the generic build serves: a specialized route has resolved already.
-        return resolve_model(facts, selection, sm, moe_tp, ep)
+        return resolve_model(facts, selection, sm, layout.moe_tp, layout.ep)
 
     targets = matching(index, facts, sm, parallel)
     if mode == "off":

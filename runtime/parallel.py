@@ -10,8 +10,9 @@ Rank numbering (docs/runtime.md): `world = tp * dp` and `moe_tp * ep == world`. 
 `tp_rank = r % tp` in data-parallel replica `dp_rank = r // tp`, so the ranks of one TP group are
 consecutive. MoE: `ep_rank = r // moe_tp`, `moe_tp_rank = r % moe_tp` over the whole world.
 
-`Layout` (the numbers and the rank helpers) is the shared one from `contract`. A generated build calls `attach_layout` first thing in its constructor: it refuses a torch.distributed
-world that does not fit the layout (naming both) before any collective runs, creates this layout's
+`Layout` (the numbers and the rank helpers) is the shared one from `contract`. A generated build calls
+`attach_layout` first thing in its constructor: it refuses a torch.distributed world that does not
+fit the layout (naming both) before any collective runs, creates this layout's
 groups once per process, and makes every forward re-check the world and re-select the layout's groups,
 so one process may hold builds of several layouts of the same world (the tests run tp2 and dep2 builds
 side by side) without one build reducing over the other's groups.

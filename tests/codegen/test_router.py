@@ -12,6 +12,7 @@ import pytest
 
 from codegen.outputs import index_outputs
 from codegen.plan import target_plan
+from contract import Layout
 from registry.build_index import pick_build
 from registry.declarations import find_model, load_models
 from registry.errors import NotHonoredError, SelectionError
@@ -40,7 +41,7 @@ def mymoe(tmp_path_factory):
 
 def go(mymoe, parallel="tp1", sm=90, mode="auto", **selection):
     index, facts = mymoe
-    layout = {"tp1": (1, 1, 1, 1), "tp2": (2, 2, 1, 1)}[parallel]
+    layout = {"tp1": Layout(1, 1, 1, 1), "tp2": Layout(2, 2, 1, 1)}[parallel]
     return pick_build(index, facts, sm, parallel, layout, Selection(**selection), mode)
 
 
@@ -121,6 +122,6 @@ def test_the_checked_in_index_routes_each_declared_target_to_its_own_build(proje
             target, plan = planned.target, planned.plan
             facts = facts_from_literal(facts_module.FACTS[target.checkpoint])
             assert facts_to_literal(facts) == facts_module.FACTS[target.checkpoint]
-            chosen = pick_build(index, facts, target.sm, target.parallel, plan.layout, target.selection.selection())
+            chosen = pick_build(index, facts, target.sm, target.parallel, Layout(*plan.layout), target.selection.selection())
             assert (chosen.kind, chosen.target) == ("specialized", target.name), chosen.reasons
     assert (ROOT / "generated" / "_router_index.py").is_file()
