@@ -9,11 +9,12 @@ fix it. Cross-entry rules that need the implementation registry (TG2) run after 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pydantic import ValidationError
 
+from contract import MoeShape
 from registry.declaration_model import TOKEN, Declaration, TargetDecl, FieldError
 from registry.eligibility import Deployment, Problem, eligibility
 from registry.errors import DeclarationError, MoegenError
@@ -80,7 +81,7 @@ def _check_against_registry(decl: Declaration, text: str, shown: str, registry: 
             if target.honored(draft).restricts is None:
                 continue   # "*" or left out: no id to check
             layers = _side_layers(facts, draft, target.sm, registry)
-            formats = set().union(*(f for _, f, _ in layers))
+            formats = set().union(*(layer.formats for layer in layers))
             for k, impl_id in enumerate(value):
                 where = f"{shown}:{line_of(text, ('targets', n, side, k))}: targets[{n}].{side}"
                 impl = registry.by_id.get(impl_id)
@@ -93,8 +94,8 @@ def _check_against_registry(decl: Declaration, text: str, shown: str, registry: 
                         "list an implementation that can serve them (RULES TG2)"
                     )
                 rejections = [
-                    eligibility(impl, Problem.of(impl.format, shape), deployment)
-                    for _, fmts, shape in layers if impl.format in fmts
+                    eligibility(impl, Problem.of(impl.format, layer.shape), deployment)
+                    for layer in layers if impl.format in layer.formats
                 ]
                 if all(rejections):
                     raise DeclarationError(
@@ -108,15 +109,19 @@ def _check_against_registry(decl: Declaration, text: str, shown: str, registry: 
             raise DeclarationError(f"{shown}:{line_of(text, ('targets', n, 'selection'))}: targets[{n}].selection: {exc}") from None
 
 
-def _side_layers(facts: ModelFacts, draft: bool, sm: int, registry: Registry) -> list[tuple[int, set[str], Any]]:
-    """(layer, run formats it can run as on this SM, experts shape) per MoE layer of a side (an MXFP4
-    layer: any of the SM's MXFP4 run formats)."""
+@dataclass(frozen=True)
+class _SideLayer:
+    """One MoE layer of a side as TG2 checks it: the run formats it can run as on the SM (an MXFP4
+    layer: any of the SM's MXFP4 run formats) and its experts shape."""
+
+    formats: frozenset[str]
+    shape: MoeShape | None
+
+
+def _side_layers(facts: ModelFacts, draft: bool, sm: int, registry: Registry) -> list[_SideLayer]:
     sides = [(s, d.shape) for d in facts.drafts for s in d.sites] if draft else [(s, facts.shape) for s in facts.sites]
-    out = []
-    for site, shape in sides:
-        fmt = site.format.format
-        out.append((site.layer, set(registry.mxfp4_preference(sm) or ()) if fmt == "mxfp4" else {fmt}, shape))
-    return out
+    mxfp4 = frozenset(registry.mxfp4_preference(sm) or ())
+    return [_SideLayer(mxfp4 if site.format.format == "mxfp4" else frozenset({site.format.format}), shape) for site, shape in sides]
 
 
 def load_models(models_dir: Path | None = None, registry: Registry | None = None) -> dict[str, Declaration]:
