@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from codegen.plan import layer_runs
 
 SPECIALIZED, DRAFT, GENERIC = "specialized", "draft", "generic"
-DATA, ROOT = "data", "root"   # constants only (facts, router index, package docstrings); the root package's code
+DATA, ROOT = "data", "root"   # constants only (facts, the build index, package docstrings); the root package's code
 
 # The allow-list (RULES GN4): the builtins each kind of module may name besides what it binds itself
 # (so never eval, exec, open, getattr, __import__, globals...), the attributes it may read (the
@@ -79,8 +79,8 @@ def claims_for_modeling(plan, registry) -> Claims:
     ids = sorted({l.impl for l in plan.layers if l.impl})
     return Claims(
         kind=SPECIALIZED,
-        honored=_honored(plan.moe_impls_honored),
-        draft_honored=_honored(plan.draft_moe_impls_honored),
+        honored=plan.moe_impls_honored,
+        draft_honored=plan.draft_moe_impls_honored,
         implementations={i: (registry.impl(i).class_name, registry.impl(i).family) for i in ids},
         experts=_experts(ids, registry),
         layers=tuple((range(r.start, r.stop), r.impl) for r in layer_runs(plan.layers)),
@@ -92,7 +92,7 @@ def claims_for_draft(plan, registry) -> Claims:
     ids = sorted({l.impl for l in plan.draft.layers if l.impl})
     return Claims(
         kind=DRAFT,
-        draft_honored=_honored(plan.draft_moe_impls_honored),
+        draft_honored=plan.draft_moe_impls_honored,
         implementations={i: (registry.impl(i).class_name, registry.impl(i).family) for i in ids},
         experts=_experts(ids, registry),
         draft_layers=tuple((l.index, l.impl) for l in plan.draft.layers),
@@ -102,11 +102,6 @@ def claims_for_draft(plan, registry) -> Claims:
 GENERIC_CLAIMS = Claims(kind=GENERIC)
 DATA_CLAIMS = Claims(kind=DATA)
 ROOT_CLAIMS = Claims(kind=ROOT)
-
-
-def _honored(value):
-    # The template writes a declared list as a tuple; "*" and None as they are.
-    return tuple(value) if isinstance(value, list) else value
 
 
 def _experts(ids, registry) -> dict:

@@ -50,7 +50,7 @@ def cmd_explain(args) -> int:
     sys.stdout.write(text)
     declared = [e for e in explained if e.target is not None]
     if args.mode == "require" and not any(e.serves for e in declared):
-        # The router's own reasons (RULES TG6); each already names its target, so several read apart.
+        # The build index's own reasons (RULES TG6); each already names its target, so several read apart.
         reasons = "; ".join(r for e in declared for r in e.decision.reasons)
         reasons = reasons or f"no target of {args.model} is declared on sm_{args.sm}"
         raise NotHonoredError(f"--mode require: no target serves this selection: {reasons} (RULES TG5, TG6)")

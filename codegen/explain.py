@@ -1,7 +1,7 @@
 """`explain`: for each matching target, whether its build serves the selection and every MoE layer
 kind's request, winner and why, as text or JSON.
 
-It replays the router's own decision (`registry.router.decide`, on the index entry the generator
+It replays the build index's own decision (`registry.build_index.decide`, on the index entry the generator
 writes for the target) and the resolution the generic build runs, on any host: the SM is an
 argument, nothing probes the machine (RULES TG6, LR5). What it says serves is what `load_model` loads.
 """
@@ -12,11 +12,13 @@ import json
 from dataclasses import dataclass, replace
 
 from codegen.plan import index_entry, target_plan
+from contract import ANY, ROLE_NAMES
+from registry.build_index import Decision, bound_layers, decide
 from registry.declarations import Declaration, TargetDecl, matching_targets
 from registry.model import NON_NEURAL_MODES
-from registry.model_resolve import ANY, ROLE_NAMES, ModelResolution, resolve_model, span
+from registry.layer_task import span
+from registry.model_resolve import ModelResolution, resolve_model
 from registry.resolve import LayerReport
-from registry.router import Decision, bound_layers, decide
 from registry.selection import Selection
 
 
@@ -29,7 +31,7 @@ class Explained:
     target: TargetDecl | None
     parallel: str
     resolution: ModelResolution   # the target's claim (its honored ids), or the generic build's
-    decision: Decision | None     # the router's decision for the target; None without one
+    decision: Decision | None     # the build index's decision for the target; None without one
     generic: ModelResolution | None = None   # what the generic build binds when the target does not serve
     generic_draft: bool = False   # the generic build constructs the draft of the selection's mode
 
@@ -76,10 +78,10 @@ def _generic_holds_draft(decl: Declaration, mode: str | None) -> bool:
 
 
 def _target_site(decl: Declaration, target: TargetDecl, selection: Selection) -> Explained:
-    """The router's decision on the index entry the generator writes for this target's declared build."""
+    """The build index's decision on the index entry the generator writes for this target's declared build."""
     layout = decl.layout(target.parallel)
     facts = decl.facts(target.checkpoint)
-    decision = decide(index_entry(target_plan(decl, target)[0]), facts, selection, layout.as_tuple())
+    decision = decide(index_entry(target_plan(decl, target)[0]), facts, selection, layout)
     generic = None if decision.serves else resolve_model(facts, selection, target.sm, layout.moe_tp, layout.ep)
     return Explained(decl.model.name, target.name, target, target.parallel, decision.resolution, decision, generic)
 

@@ -7,7 +7,7 @@ target's declared one, or a model declared only through `--models`, is an explor
 refused: under `auto` the model's generic build is written instead (planned and headed with the
 selection), under `require` nothing is written and the command fails (RULES TG5). A declared target
 must claim its own declared selection. Each target is planned once per command: the declared plans
-feed the builds, the router index and the exploration alike.
+feed the builds, the build index and the exploration alike.
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ from codegen.files import Output, changed, check_outputs, orphans, remove_orphan
 from codegen.outputs import ALL_COMMAND, build_outputs, docs_outputs, generic_draft_modes, index_outputs, model_outputs
 from codegen.plan import BuildPlan, generic_plan, index_entry, target_plan
 from codegen.verify import verify_outputs
+from contract import Layout
 from families import RUNTIME_FAMILIES
+from registry.build_index import Decision, decide
 from registry.declarations import MODELS_DIR, Declaration, TargetDecl, find_model, matching_targets
 from registry.errors import DeclarationError, NotHonoredError, SelectionError
 from registry.impls import Registry, load_registry
 from registry.inputs import text_of_path
 from registry.model_resolve import ModelResolution
-from registry.router import Decision, decide
 from registry.selection import Selection
 from registry.tactics import parse_tactic
 
@@ -208,9 +209,9 @@ def model_generation(
         planned = by_name.get(target.name) if same else None
         if planned is None:
             planned = Planned(target, *target_plan(decl, target, selection or declared, registry))
-        # The router's decision on the build this command writes (RULES TG6): what is refused here is
+        # The build index's decision on the build this command writes (RULES TG6): what is refused here is
         # what `load_model` would refuse.
-        decision = decide(index_entry(planned.plan), decl.facts(target.checkpoint), selection or declared, planned.plan.layout)
+        decision = decide(index_entry(planned.plan), decl.facts(target.checkpoint), selection or declared, Layout(*planned.plan.layout))
         if not decision.serves:
             refusals.append(decision)
         elif not (same and into_repo):

@@ -26,7 +26,7 @@ from registry.errors import DeclarationError
 from registry.formats import CHECKPOINT_ALGOS, CheckpointQuant
 from registry.impls import load_registry
 from registry.inputs import kind, parse_json, read_bytes, read_json, text_of_path
-from registry.model_resolve import span
+from registry.layer_task import span
 from registry.quant_meta import read_checkpoint_quant, read_config
 
 # config.json keys that describe the file, not the model.

@@ -9,11 +9,12 @@ from __future__ import annotations
 from codegen.modelspec import normalize
 from codegen.plan import BuildPlan
 from codegen.render import py, render_python
+from contract import ROLE_NAMES
 from families import FAMILIES, template_name
 from families.base import FamilySpec
 from registry.declarations import Declaration
 from registry.impls import Registry
-from registry.model_resolve import ROLE_NAMES, span
+from registry.layer_task import span
 
 _OPS = ("MoEBlock", "RMSNorm", "RotaryEmbedding")  # embedding and head: runtime.causal_lm builds them
 # Published Eagle3 heads are Llama layers: Llama's rotary defaults (base 10000, the full head).
@@ -111,8 +112,8 @@ def _context(decl: Declaration, plan: BuildPlan, registry: Registry, generic: bo
         experts_imports=sorted((m, sorted(set(n))) for m, n in imports.items()),
         implementations=[(i, registry.impl(i).class_name, registry.impl(i).family) for i in impls],
         cpu_impls=tuple(i for i in impls if registry.impl(i).cpu),
-        honored=_literal(plan.moe_impls_honored if not isinstance(plan.moe_impls_honored, list) else tuple(plan.moe_impls_honored)),
-        draft_honored=_literal(plan.draft_moe_impls_honored if not isinstance(plan.draft_moe_impls_honored, list) else tuple(plan.draft_moe_impls_honored)),
+        honored=_literal(plan.moe_impls_honored),
+        draft_honored=_literal(plan.draft_moe_impls_honored),
         # The draft's tensors live in the checkpoint beside the target's: the target build skips exactly those.
         ignored=spec.draft_ignore(decl.config),
         experts_spec=_experts_spec(decl, c),

@@ -15,12 +15,12 @@ import hashlib
 import json
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 
+from registry.build_index import bound_layers
 from registry.declarations import Declaration, TargetDecl, resolve_target
 from registry.impls import Registry, load_registry
-from registry.model import NON_NEURAL_MODES
-from registry.model_resolve import ANY, ModelResolution
+from registry.model import NON_NEURAL_MODES, facts_to_literal
+from registry.model_resolve import ModelResolution
 from registry.resolve import moe_impl_request
-from registry.router import bound_layers, facts_to_literal
 from registry.selection import DRAFT_TACTIC, TARGET_TACTIC, Selection, check_selection
 
 
@@ -78,8 +78,8 @@ class BuildPlan:
     config: dict
     layers: tuple[LayerPlan, ...]
     draft: DraftPlan | None
-    moe_impls_honored: list | str | None
-    draft_moe_impls_honored: list | str | None
+    moe_impls_honored: tuple | str | None        # contract.Honored.literal()
+    draft_moe_impls_honored: tuple | str | None
     resolution: dict
     bound: tuple = ()
     facts: dict = field(default_factory=dict)   # generic builds: facts per checkpoint
@@ -107,13 +107,6 @@ class BuildPlan:
     def bound_ids(self) -> tuple[str, ...]:
         ids = {l.impl for l in self.layers if l.impl} | ({l.impl for l in self.draft.layers if l.impl} if self.draft else set())
         return tuple(sorted(ids))
-
-    @property
-    def bound_classes(self) -> tuple[str, ...]:
-        paths = {l.class_path for l in self.layers if l.class_path}
-        if self.draft:
-            paths |= {l.class_path for l in self.draft.layers if l.class_path}
-        return tuple(sorted(paths))
 
 
 def fingerprint(*parts) -> str:
@@ -151,12 +144,6 @@ def class_name(decl: Declaration, target: TargetDecl | None) -> str:
     if target is None:
         return camel(decl.model.name, "generic") + "ForCausalLM"
     return camel(target.checkpoint, f"sm{target.sm}", target.parallel) + "ForCausalLM"
-
-
-def _honored_literal(value):
-    if value is None or value == ANY:
-        return value
-    return sorted(value)
 
 
 def resolution_dict(resolution: ModelResolution) -> dict:
@@ -215,8 +202,8 @@ def target_plan(decl: Declaration, target: TargetDecl, selection: Selection | No
         config=decl.config,
         layers=_layer_table(decl, resolution),
         draft=_draft_plan(decl, selection, resolution),
-        moe_impls_honored=_honored_literal(target.moe_impls_honored),
-        draft_moe_impls_honored=_honored_literal(target.draft_moe_impls_honored),
+        moe_impls_honored=target.honored().literal(),
+        draft_moe_impls_honored=target.honored(draft=True).literal(),
         resolution=resolution_dict(resolution),
         bound=tuple(bound_layers(resolution)),
         bindings={i: (registry.impl(i).class_path, registry.impl(i).family, registry.impl(i).cpu)
@@ -226,7 +213,7 @@ def target_plan(decl: Declaration, target: TargetDecl, selection: Selection | No
 
 
 def index_entry(plan: BuildPlan) -> dict:
-    """A build's entry in the router index: its key, module, honored ids and what it binds (RULES TG6)."""
+    """A build's entry in the build index: its key, module, honored ids and what it binds (RULES TG6)."""
     return {
         "name": plan.target,
         "model": plan.model,

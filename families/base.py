@@ -11,19 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from contract import MoeShape
+
 Config = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class MoeShape:
-    """What an implementation sees of one MoE layer (the shape part of an eligibility problem)."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_experts: int
-    top_k: int
-    activation: str
-    expert_bias: bool
 
 
 class ConfigError(ValueError):

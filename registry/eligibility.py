@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from contract import MoeShape
 from registry.impls import Impl
 
 
@@ -38,6 +39,14 @@ class Problem:
     hidden_size: int | None = None
     intermediate_size: int | None = None
     num_experts: int | None = None
+
+    @classmethod
+    def of(cls, fmt: str, shape: MoeShape | None) -> Problem:
+        """A layer kind of this run format and shape; without a shape only the format is known."""
+        if shape is None:
+            return cls(format=fmt)
+        return cls(format=fmt, activation=shape.activation, expert_bias=shape.expert_bias, hidden_size=shape.hidden_size,
+                   intermediate_size=shape.intermediate_size, num_experts=shape.num_experts)
 
 
 @dataclass(frozen=True)

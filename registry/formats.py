@@ -11,8 +11,9 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 
+from contract import MXFP4_RUN_FORMATS
 from registry.errors import ResolutionError
-from registry.impls import MXFP4_RUN_FORMATS, Impl, Registry
+from registry.impls import Impl, Registry
 
 MIXED_PRECISION = "MIXED_PRECISION"
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from contract import Layout
 from registry.errors import SelectionError
 from registry.impls import load_registry
+from registry.model import facts_from_literal, layout_of
 from registry.model_resolve import ModelResolution, resolve_model
-from registry.parallel import Layout, parse_layout
-from registry.router import facts_from_literal
 from registry.selection import Selection
 
 
@@ -33,7 +33,7 @@ def resolve_build(facts_by_checkpoint: dict, profiles: dict, checkpoint: str, sm
         raise SelectionError(f"no checkpoint {checkpoint!r}; declared: {', '.join(sorted(facts_by_checkpoint))}")
     registry = load_registry()
     facts = facts_from_literal(facts_by_checkpoint[checkpoint])
-    layout = parse_layout(parallel, {k: Layout(*v) for k, v in profiles.items()})
+    layout = layout_of(parallel, {k: Layout(*v) for k, v in profiles.items()})
     resolution = resolve_model(facts, selection or Selection(), sm, layout.moe_tp, layout.ep, registry)
     layers: list[str | None] = [None] * num_layers
     draft = []

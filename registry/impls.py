@@ -12,24 +12,12 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from contract import ACTIVATIONS, MXFP4_RUN_FORMATS, RUN_FORMATS
 from registry.errors import RegistryError
 from registry.identity import FIELDS, ImplId
 
 DEFAULT_PATH = Path(__file__).with_name("impls.toml")
 
-# The run formats an implementation may serve (its quant segment), and the activation kinds a
-# capability may list. Closed sets: a new one is a deliberate change to the runtime and here.
-RUN_FORMATS = (
-    "bf16",
-    "fp8_block_scales",
-    "w4a16_mxfp4",
-    "w4a8_mxfp4_fp8",
-    "w4a8_mxfp4_mxfp8",
-    "w4a16_nvfp4",
-    "nvfp4",
-)
-MXFP4_RUN_FORMATS = ("w4a16_mxfp4", "w4a8_mxfp4_fp8", "w4a8_mxfp4_mxfp8")
-ACTIVATIONS = ("silu_glu", "swiglu_oai", "relu2")
 AUTO = "AUTO"
 
 _CAPABILITY_KEYS = (
@@ -165,10 +153,6 @@ class Registry:
 
     def mxfp4_preference(self, sm: int) -> tuple[str, ...] | None:
         return dict(self.mxfp4_run_formats).get(sm)
-
-    @property
-    def known_sms(self) -> tuple[int, ...]:
-        return tuple(sorted({sm for i in self.impls for sm in i.sms}))
 
 
 def load_registry_text(text: str, source: str = "registry/impls.toml") -> Registry:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from contract import Honored
 from registry.eligibility import Deployment, Problem, Reason, Rejection, eligibility
-from registry.errors import ResolutionError, SelectionError, TacticError
+from registry.errors import SelectionError, TacticError
 from registry.impls import AUTO, Impl, Registry, load_registry
 from registry.tactics import Tactic, matching_impls, parse_tactic
 
@@ -178,7 +179,7 @@ def ask_candidates(
             continue  # other formats are not candidates for this layer at all
         rejection = eligibility(impl, problem, deployment)
         if rejection is None and honored is not None and str(impl.id) not in honored:
-            rejection = Rejection(str(impl.id), Reason.NOT_HONORED, f"the target honors {_honored_text(honored)}")
+            rejection = Rejection(str(impl.id), Reason.NOT_HONORED, f"the target honors {Honored(honored).describe()}")
         if rejection is None:
             eligible.append((position, impl))
         else:
@@ -191,12 +192,6 @@ def ask_candidates(
     elif rest:
         winner, selected_by = rest[0], FALLBACK
     return LayerOutcome(winner, selected_by, tuple(impl for _, impl in eligible), tuple(rejections))
-
-
-def _honored_text(honored: frozenset[str]) -> str:
-    if not honored:
-        return "no implementation"
-    return "only " + ", ".join(sorted(honored))
 
 
 def no_winner_message(
@@ -228,9 +223,3 @@ def _not_in_request(request: Request, fmt: str | None, registry: Registry | None
     which = " that consumes EPLB plans" if request.eplb else ""
     listed = ", ".join(f"{i.id} ({i.family})" for i in serving)
     return f"the request holds no {fmt} implementation{which}; {fmt} is served by {listed}"
-
-
-def require_winner(request: Request, outcome: LayerOutcome, what: str) -> Impl:
-    if outcome.winner is None:
-        raise ResolutionError(no_winner_message(request, outcome, what))
-    return outcome.winner

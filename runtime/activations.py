@@ -6,8 +6,7 @@ rows; its checkpoint source splits them), so every function here is elementwise.
 import torch
 import torch.nn.functional as F
 
-ACTIVATIONS = ("silu_glu", "swiglu_oai", "relu2")
-GATED = frozenset({"silu_glu", "swiglu_oai"})
+from contract import ACTIVATIONS, GATED
 
 
 def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

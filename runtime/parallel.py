@@ -10,8 +10,9 @@ Rank numbering (docs/runtime.md): `world = tp * dp` and `moe_tp * ep == world`. 
 `tp_rank = r % tp` in data-parallel replica `dp_rank = r // tp`, so the ranks of one TP group are
 consecutive. MoE: `ep_rank = r // moe_tp`, `moe_tp_rank = r % moe_tp` over the whole world.
 
-A generated build calls `attach_layout` first thing in its constructor: it refuses a torch.distributed
-world that does not fit the layout (naming both) before any collective runs, creates this layout's
+`Layout` (the numbers and the rank helpers) is the shared one from `contract`. A generated build calls
+`attach_layout` first thing in its constructor: it refuses a torch.distributed world that does not
+fit the layout (naming both) before any collective runs, creates this layout's
 groups once per process, and makes every forward re-check the world and re-select the layout's groups,
 so one process may hold builds of several layouts of the same world (the tests run tp2 and dep2 builds
 side by side) without one build reducing over the other's groups.
@@ -22,10 +23,11 @@ import contextlib
 import datetime
 import math
 import os
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from contract import Layout
 
 TP = "tp"
 DP = "dp"
@@ -46,56 +48,6 @@ class LayoutError(ValueError):
 
 class CapacityError(ValueError):
     """More tokens than a fixed-capacity MoE exchange holds, or ranks that disagree on its capacity."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Attention TP x attention DP ranks; MoE TP x EP over the same world."""
-
-    tp: int = 1
-    moe_tp: int = 1
-    ep: int = 1
-    dp: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "moe_tp", "ep", "dp"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"Layout.{name} must be a positive int, got {value!r}")
-        if self.moe_tp * self.ep != self.world:
-            raise ValueError(
-                f"Layout(tp={self.tp}, moe_tp={self.moe_tp}, ep={self.ep}, dp={self.dp}): moe_tp * ep = "
-                f"{self.moe_tp * self.ep} must equal world = tp * dp = {self.world}"
-            )
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.dp
-
-    def _check(self, rank: int) -> int:
-        if not 0 <= rank < self.world:
-            raise ValueError(f"rank {rank} is outside this layout's world of {self.world}")
-        return rank
-
-    def tp_rank(self, rank: int) -> int:
-        return self._check(rank) % self.tp
-
-    def dp_rank(self, rank: int) -> int:
-        return self._check(rank) // self.tp
-
-    def ep_rank(self, rank: int) -> int:
-        return self._check(rank) // self.moe_tp
-
-    def moe_tp_rank(self, rank: int) -> int:
-        return self._check(rank) % self.moe_tp
-
-    def tp_group_ranks(self, dp_rank: int) -> tuple[int, ...]:
-        """The ranks that share one attention replica (one TP group)."""
-        return tuple(dp_rank * self.tp + i for i in range(self.tp))
-
-    def dp_group_ranks(self, tp_rank: int) -> tuple[int, ...]:
-        """The ranks holding the same attention shard in different replicas (one DP group)."""
-        return tuple(d * self.tp + tp_rank for d in range(self.dp))
 
 
 # -- timeouts -------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""What a generated root runs that is the same for every root: `load_model` (the build router) and the `run` launcher.
+"""What a generated root runs that is the same for every root: `load_model` (it picks a build through the build index) and the `run` launcher.
 
 This code once was rendered from templates that substituted no value at all; it is ordinary code now, and
 each generated root holds two short shims (`__init__.py`, `run.py`) that hand it their package name. It is

@@ -1,6 +1,6 @@
-"""`load_model` of a generated root: the router over its builds, which builds and loads the one that serves a deployment.
+"""`load_model` of a generated root: it picks, through the build index, the build that serves a deployment, and builds and loads it.
 
-The router reads the root's `_router_index.INDEX`: a target's specialized build when it claims the
+It reads the root's `_router_index.INDEX`: a target's specialized build when it claims the
 selection, is bound to what the selection resolves to and holds the draft its speculative mode needs (the
 decision `explain` narrates), else the model's generic build (mode `auto`), or an error naming the
 criterion that did not match (`require`); `off` always uses the generic build (RULES TG5, TG6). A root
@@ -136,16 +136,17 @@ class Builds:
         Returns the model (a torch module); under a neural speculative mode its draft build is `model.draft`
         (`model.generate(..., speculative=k)` decodes with it). Raises a moegen error naming what did not match under `require`.
         """
-        from registry.parallel import Layout, parse_layout
-        from registry.router import facts_from_literal, route
+        from contract import Layout
+        from registry.build_index import pick_build
+        from registry.model import facts_from_literal, layout_of
 
         facts_module = self.facts(model)
         name = checkpoint_name_of(facts_module, model, checkpoint, checkpoint_name)
         facts = facts_from_literal(facts_module.FACTS[name])
         profiles = {k: Layout(*v) for k, v in facts_module.PROFILES.items()}
-        layout = parse_layout(parallel, profiles)
+        layout = layout_of(parallel, profiles)
         selection = selection_of(moe_config, speculative_config)
-        chosen = route(self.index, facts, sm, parallel, layout.as_tuple(), selection, mode)
+        chosen = pick_build(self.index, facts, sm, parallel, layout, selection, mode)
         module = self.module(chosen.module)
         for reason in chosen.reasons:
             # Falling back is allowed, silently falling back is not (RULES TG5); `off` asked for it.
@@ -178,7 +179,7 @@ class Builds:
         if mode in NON_NEURAL_MODES:
             return None, f"speculative_config.mode {mode!r} has no neural draft: decoded with the target alone"
         if chosen.kind == "specialized":
-            # The router served this build only because it holds the draft of this mode (RULES TG6).
+            # The build index picked this build only because it holds the draft of this mode (RULES TG6).
             held = next(t["draft"] for t in self.index["targets"] if t["name"] == chosen.target)
             kind = held["kind"]
             draft = self.module(held["module"]).DRAFT_CLASS(device=device, rank=rank, **extra)

@@ -12,7 +12,7 @@ Collectives wait at most `--timeout` seconds, else MOEGEN_DIST_TIMEOUT_S, else 3
 from __future__ import annotations
 
 from runtime import launch
-from runtime.parallel import Layout
+from contract import Layout
 from serving.load import Builds, checkpoint_name_of, selection_of
 
 
@@ -23,7 +23,7 @@ class Launcher:
         self.builds = Builds(package)
         self.load_model = self.builds.load_model
         # Imported once by the fork server that starts CPU ranks (the registry: generic builds resolve at load).
-        self.preload = (package, "registry.generic", "registry.router")
+        self.preload = (package, "registry.generic", "registry.build_index")
 
     def _facts(self, model):
         from registry.errors import MoegenError
@@ -37,21 +37,20 @@ class Launcher:
         """The run's target name and layout numbers, refused (ValueError) before any rank starts when unknown
         (or when the model has no draft for `spec_mode`)."""
         from registry.errors import MoegenError
+        from registry.model import facts_from_literal, layout_of
         from registry.model_resolve import resolve_model
-        from registry.parallel import Layout as LayoutName, parse_layout
-        from registry.router import facts_from_literal
 
         facts = self._facts(model)
         try:
             name = checkpoint_name_of(facts, model, checkpoint, checkpoint_name)
-            numbers = parse_layout(parallel, {k: LayoutName(*v) for k, v in facts.PROFILES.items()})
+            layout = layout_of(parallel, {k: Layout(*v) for k, v in facts.PROFILES.items()})
             if spec_mode is not None:
                 selection = selection_of(None, {"mode": spec_mode})
-                resolve_model(facts_from_literal(facts.FACTS[name]), selection, sm, numbers.moe_tp, numbers.ep)
+                resolve_model(facts_from_literal(facts.FACTS[name]), selection, sm, layout.moe_tp, layout.ep)
         except MoegenError as e:
             raise ValueError(str(e)) from None
         return launch.RunTarget(
-            name=f"{name}__sm_{sm}__{parallel}", parallel=parallel, layout=Layout(*numbers.as_tuple()),
+            name=f"{name}__sm_{sm}__{parallel}", parallel=parallel, layout=layout,
             vocab_size=facts.CONFIG["vocab_size"], checkpoint_name=name,
         )
 
@@ -62,7 +61,8 @@ class Launcher:
         draft ignore them, as they ignore a real checkpoint's MTP layers)."""
         from families import FAMILIES
         from registry.errors import MoegenError
-        from registry.router import facts_from_literal, matching
+        from registry.build_index import matching
+        from registry.model import facts_from_literal
         from runtime.checkpoint.writer import random_tensors, save_checkpoint
 
         facts = self._facts(model)

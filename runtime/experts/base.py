@@ -15,8 +15,8 @@ from typing import ClassVar, Mapping
 
 import torch
 
-from ..activations import ACTIVATIONS, GATED
-from ..formats import RUN_FORMATS
+from contract import RUN_FORMATS, MoeShape
+
 from .canonical import (  # noqa: F401 - re-exported: the contract's names
     DIM_UNIT, PLAIN_FLOATS, SHARD_UNIT, WEIGHT_FAMILY, WEIGHT_KINDS, CanonicalTensor, canonical_tensors,
     dequantize_canonical,
@@ -30,33 +30,8 @@ class WeightLoadError(ValueError):
     """A checkpoint tensor is missing or has the wrong shape or dtype; the message names each one."""
 
 
-@dataclass(frozen=True)
-class MoeLayerSpec:
-    hidden_size: int
-    intermediate_size: int        # per expert, unsharded
-    num_experts: int              # global routed experts
-    top_k: int
-    activation: str               # "silu_glu" | "swiglu_oai" | "relu2"
-    expert_bias: bool = False     # per-expert biases on both GEMMs (gpt-oss)
-    swiglu_alpha: float = 1.702   # swiglu_oai only
-    swiglu_limit: float = 7.0     # swiglu_oai only
-
-    def __post_init__(self):
-        for field in ("hidden_size", "intermediate_size", "num_experts", "top_k"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"MoeLayerSpec.{field} must be positive, got {getattr(self, field)}")
-        if self.top_k > self.num_experts:
-            raise ValueError(f"MoeLayerSpec.top_k {self.top_k} exceeds num_experts {self.num_experts}")
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"unknown expert activation {self.activation!r}; known: {', '.join(ACTIVATIONS)}")
-
-    @property
-    def gated(self) -> bool:
-        return self.activation in GATED
-
-    @property
-    def projections(self) -> tuple[str, ...]:
-        return ("gate", "up", "down") if self.gated else ("up", "down")
+# The layer shape is the contract's, shared with the registry; MoeLayerSpec is the name runtime code uses.
+MoeLayerSpec = MoeShape
 
 
 @dataclass(frozen=True)

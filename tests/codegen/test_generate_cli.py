@@ -10,7 +10,7 @@ from __future__ import annotations
 from codegen.generate import EXPLORE_ROOT
 from codegen.outputs import index_outputs
 from registry.declarations import find_model, load_models, resolve_target
-from registry.model_resolve import span
+from registry.layer_task import span
 from registry.selection import Selection
 from tests.codegen.helpers import EAGER_BF16, GROUPED_BF16, MYMOE, cli, files, snapshot, write_models
 

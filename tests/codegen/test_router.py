@@ -1,4 +1,4 @@
-"""The router over a generated index (`registry/router.py` + `_router_index.py`; RULES TG5, TG6).
+"""The build index over a generated index (`registry/build_index.py` + `_router_index.py`; RULES TG5, TG6).
 
 A specialized build serves only a selection it claims *and* resolves to what it was built with;
 anything else goes to the generic build under `auto`, fails naming the criterion under `require`,
@@ -12,9 +12,11 @@ import pytest
 
 from codegen.outputs import index_outputs
 from codegen.plan import target_plan
+from contract import Layout
+from registry.build_index import pick_build
 from registry.declarations import find_model, load_models
 from registry.errors import NotHonoredError, SelectionError
-from registry.router import facts_from_literal, facts_to_literal, route
+from registry.model import facts_from_literal, facts_to_literal
 from registry.selection import Selection
 from tests.codegen.helpers import EAGER_BF16, GROUPED_BF16, MYMOE, ROOT, write_models
 
@@ -39,8 +41,8 @@ def mymoe(tmp_path_factory):
 
 def go(mymoe, parallel="tp1", sm=90, mode="auto", **selection):
     index, facts = mymoe
-    layout = {"tp1": (1, 1, 1, 1), "tp2": (2, 2, 1, 1)}[parallel]
-    return route(index, facts, sm, parallel, layout, Selection(**selection), mode)
+    layout = {"tp1": Layout(1, 1, 1, 1), "tp2": Layout(2, 2, 1, 1)}[parallel]
+    return pick_build(index, facts, sm, parallel, layout, Selection(**selection), mode)
 
 
 def test_the_declared_selection_routes_to_the_specialized_build(mymoe):
@@ -120,6 +122,6 @@ def test_the_checked_in_index_routes_each_declared_target_to_its_own_build(proje
             target, plan = planned.target, planned.plan
             facts = facts_from_literal(facts_module.FACTS[target.checkpoint])
             assert facts_to_literal(facts) == facts_module.FACTS[target.checkpoint]
-            chosen = route(index, facts, target.sm, target.parallel, plan.layout, target.selection.selection())
+            chosen = pick_build(index, facts, target.sm, target.parallel, Layout(*plan.layout), target.selection.selection())
             assert (chosen.kind, chosen.target) == ("specialized", target.name), chosen.reasons
     assert (ROOT / "generated" / "_router_index.py").is_file()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from registry.declarations import load_models
 from registry.eligibility import Problem
-from registry.families import MoeShape
+from contract import MoeShape
 from registry.formats import LayerFormat
 from registry.impls import DEFAULT_PATH, load_registry, load_registry_text
 from registry.model import DraftFacts, ModelFacts, MoeSite

@@ -254,16 +254,20 @@ def _tactics() -> list[str]:
     return sorted(out)
 
 
-@pytest.mark.parametrize("model, sm", [("deepseek_v3", 90), ("tiny_gpt_oss", 90), ("tiny_glm4_moe", 90)])
-def test_every_widened_tactic_a_message_suggests_is_accepted_when_fed_back(capsys, model, sm):
-    # RULES FN4: one family per format, and it resolves (every eligibility gate) for each layer kind
+@pytest.mark.parametrize("model, checkpoint", [("deepseek_v3", "deepseek_v3_fp8"), ("tiny_gpt_oss", "tiny_gpt_oss_bf16"),
+                                               ("tiny_glm4_moe", "tiny_glm4_moe_bf16")])
+def test_every_widened_tactic_a_message_suggests_is_accepted_when_fed_back(capsys, model, checkpoint):
+    # RULES FN4: one family per format, and it resolves (every eligibility gate) for each layer kind of
+    # the checkpoint the refusal is about (a model's checkpoints may need different families: no TRITON
+    # tactic serves tiny_gpt_oss's MXFP4 checkpoint, 'triton' is the right advice for its bf16 one)
+    where = ("--model", model, "--checkpoint", checkpoint, "--sm", "90")
     suggested = 0
     for tactic in _tactics():
-        code, _, err = explain(capsys, "--model", model, "--sm", str(sm), "--tactic", tactic)
+        code, _, err = explain(capsys, *where, "--tactic", tactic)
         found = SUGGESTED.search(err)
         if code == 2 and found:
             suggested += 1
-            again, _, err2 = explain(capsys, "--model", model, "--sm", str(sm), "--tactic", found.group(1))
+            again, _, err2 = explain(capsys, *where, "--tactic", found.group(1))
             assert (again, err2) == (0, ""), f"{tactic!r} suggested {found.group(1)!r}, refused: {err2}"
     assert suggested > 0
 

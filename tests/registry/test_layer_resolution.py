@@ -7,7 +7,7 @@ import json
 import pytest
 
 from registry.errors import ResolutionError
-from registry.families import MoeShape
+from contract import MoeShape
 from registry.model import DraftFacts
 from registry.model_resolve import resolve_model
 from registry.selection import Selection

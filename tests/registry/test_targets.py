@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from contract import Honored
 from registry.declarations import deployment_for, load_declaration, matching_targets, resolve_target
 from registry.errors import DeclarationError
 from registry.model_resolve import resolve_model
@@ -67,21 +68,21 @@ def test_the_parallel_layout_is_part_of_the_target_and_sets_the_moe_split():
 def test_kimi_k3_targets_each_honor_exactly_one_id_and_any_draft_id():
     # RULES TG2 (scenario kimi_k3)
     for t in decl("kimi_k3").targets:
-        assert t.honored() == frozenset({KIMI_ID})
-        assert t.honored(draft=True) == "*"
+        assert t.honored() == Honored(frozenset({KIMI_ID}))
+        assert t.honored(draft=True) == Honored(wildcard=True)
 
 
 def test_glm_5_2_honors_one_id_and_declares_no_draft_ids():
     # RULES TG2 (scenario glm_5_2)
     # Both: the NVFP4 checkpoint's and the mixed (FP8-block MTP) checkpoint's.
     for t in decl("glm_5_2").targets:
-        assert t.honored() == frozenset({"torch.eager.loop.nvfp4"})
-        assert t.honored(draft=True) is None
+        assert t.honored() == Honored(frozenset({"torch.eager.loop.nvfp4"}))
+        assert t.honored(draft=True) == Honored() and not t.honored(draft=True).declared
 
 
 def test_minimax_m3_targets_honor_any_draft_id():
     # RULES TG2 (scenario minimax_m3)
-    assert {t.honored(draft=True) for t in decl("minimax_m3").targets} == {"*"}
+    assert {t.honored(draft=True) for t in decl("minimax_m3").targets} == {Honored(wildcard=True)}
 
 
 TARGET_DECL = """\
@@ -234,7 +235,7 @@ def test_minimax_m3_targets_honor_any_draft_tactic():
 
 def test_a_target_without_declared_ids_honors_no_tactic():
     # RULES TG3, TG2
-    resolution = resolve_model(facts(site(0, "bf16")), Selection(tactic="eager.bf16"), sm=90, honored=None)
+    resolution = resolve_model(facts(site(0, "bf16")), Selection(tactic="eager.bf16"), sm=90, honored=Honored.parse(None))
     assert resolution.refusals == (
         "moe_config.tactic 'eager.bf16' resolves to torch.eager.loop.bf16 for the routed layers 0 (format bf16 on "
         "sm_90); this target declares no moe_impls_honored, so it honors no tactic (RULES TG2)",
@@ -244,7 +245,7 @@ def test_a_target_without_declared_ids_honors_no_tactic():
 def test_honored_is_checked_against_every_implementation_the_tactic_can_resolve_to():
     # RULES TG3: 'torch' on sm_80 can resolve only to VANILLA (TORCH does not run there); honoring that
     # one id is enough, although the tactic matches TORCH ids too.
-    resolution = resolve_model(facts(site(0, "bf16")), Selection(tactic="torch"), sm=80, honored=frozenset({"torch.eager.loop.bf16"}))
+    resolution = resolve_model(facts(site(0, "bf16")), Selection(tactic="torch"), sm=80, honored=Honored.parse(["torch.eager.loop.bf16"]))
     assert resolution.claimed
 
 
@@ -283,14 +284,14 @@ def test_a_target_declaring_no_draft_set_claims_a_draft_backend_and_binds_its_wi
 
 def test_any_honors_every_selection_and_does_not_restrict_the_winner():
     # RULES TG4
-    resolution = resolve_model(facts(site(0, "bf16")), Selection(), sm=90, honored="*")
+    resolution = resolve_model(facts(site(0, "bf16")), Selection(), sm=90, honored=Honored.parse("*"))
     assert resolution.claimed and resolution.reports[0].alternatives == ("triton.wgmma.grouped_gemm.bf16", "torch.grouped_mm.grouped_gemm.bf16",
                                                                          "torch.eager.loop.bf16")
 
 
 def test_an_empty_honored_list_honors_nothing():
     # RULES TG4
-    resolution = resolve_model(facts(site(0, "bf16")), Selection(), sm=90, honored=frozenset())
+    resolution = resolve_model(facts(site(0, "bf16")), Selection(), sm=90, honored=Honored.parse([]))
     assert resolution.refusals == (
         "moe_config.backend 'AUTO': no eligible honored implementation for routed layers 0 (format bf16 on sm_90); "
         "it would run cupy.mma.grouped_gemm.bf16, and this target honors no implementation (RULES TG4)",

@@ -1,7 +1,7 @@
-"""Pick the build that serves a deployment: a target's specialized build, or the model's generic build.
+"""The build index: pick the build that serves a deployment, a target's specialized build or the model's generic build.
 
-Pure: it reads the generated index's literals and the resolution code, so `generated.load_model`
-decides (and `explain` narrates) without importing torch (RULES TG5, TG6). `decide` is the one
+Pure: it reads the generated index's literals (`_router_index.py`) and the resolution code, so
+`generated.load_model` decides (and `explain` narrates) without importing torch (RULES TG5, TG6). `decide` is the one
 decision: a specialized build is pre-bound, so it serves only a selection it claims, resolves to
 exactly the implementations it was built with, and whose speculative mode finds its draft in it;
 anything else goes to the generic build (`auto`), or fails naming the criterion that did not match
@@ -12,58 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from contract import Honored, Layout
 from registry.errors import NotHonoredError, SelectionError
-from registry.families import MoeShape
-from registry.formats import LayerFormat
-from registry.model import NON_NEURAL_MODES, DraftFacts, ModelFacts, MoeSite
-from registry.model_resolve import ANY, ModelResolution, resolve_model, span
+from registry.layer_task import span
+from registry.model import NON_NEURAL_MODES, ModelFacts
+from registry.model_resolve import ModelResolution, resolve_model
 from registry.selection import Selection
 
 MODES = ("auto", "require", "off")
-
-
-def facts_from_literal(data: dict) -> ModelFacts:
-    """Rebuild `ModelFacts` from the plain literal a generated `facts.py` holds."""
-
-    def sites(rows):
-        return tuple(MoeSite(layer, module, LayerFormat(fmt, source, excluded)) for layer, module, fmt, source, excluded in rows)
-
-    def shape(value):
-        return MoeShape(**value) if value is not None else None
-
-    return ModelFacts(
-        model=data["model"],
-        family=data["family"],
-        checkpoint=data["checkpoint"],
-        shape=shape(data["shape"]),
-        sites=sites(data["sites"]),
-        excluded_layers=data["excluded_layers"],
-        drafts=tuple(
-            DraftFacts(d["name"], d["kind"], tuple(d["modes"]), sites(d["sites"]), shape(d["shape"]), d["vanilla_with_target"])
-            for d in data["drafts"]
-        ),
-    )
-
-
-def facts_to_literal(facts: ModelFacts) -> dict:
-    def sites(items):
-        return [[s.layer, s.module, s.format.format, s.format.source, s.format.excluded] for s in items]
-
-    def shape(value):
-        return None if value is None else {k: getattr(value, k) for k in MoeShape.__dataclass_fields__}
-
-    return {
-        "model": facts.model,
-        "family": facts.family,
-        "checkpoint": facts.checkpoint,
-        "shape": shape(facts.shape),
-        "sites": sites(facts.sites),
-        "excluded_layers": facts.excluded_layers,
-        "drafts": [
-            {"name": d.name, "kind": d.kind, "modes": list(d.modes), "sites": sites(d.sites), "shape": shape(d.shape), "vanilla_with_target": d.vanilla_with_target}
-            for d in facts.drafts
-        ],
-    }
 
 
 def bound_layers(resolution: ModelResolution) -> tuple[tuple[str, tuple[int, ...], str], ...]:
@@ -99,15 +55,14 @@ class Decision:
         return tuple(f"{self.target}: {c.text}" for c in self.criteria if c.ok is False)
 
 
-def decide(entry: dict, facts: ModelFacts, selection: Selection, layout: tuple[int, int, int, int]) -> Decision:
+def decide(entry: dict, facts: ModelFacts, selection: Selection, layout: Layout) -> Decision:
     """TG6 for one target of the index: it serves only when it claims the selection (TG3, TG4), its
     build is bound to exactly what the selection resolves to, and it holds the draft the selection's
     speculative mode needs. `explain`, `generate` and `load_model` all decide here."""
     name = entry["name"]
-    _, moe_tp, ep, _ = layout
     claimed = resolve_model(
-        facts, selection, entry["sm"], moe_tp, ep,
-        honored=_honored(entry["moe_impls_honored"]), draft_honored=_honored(entry["draft_moe_impls_honored"]),
+        facts, selection, entry["sm"], layout.moe_tp, layout.ep,
+        honored=Honored.parse(entry["moe_impls_honored"]), draft_honored=Honored.parse(entry["draft_moe_impls_honored"]),
     )
     now = _by_layers(bound_layers(claimed), draft=False)
     now_draft = _by_layers(bound_layers(claimed), draft=True)
@@ -144,7 +99,7 @@ def _by_layers(bound, draft: bool) -> dict:
 
 
 @dataclass(frozen=True)
-class Route:
+class BuildChoice:
     kind: str                     # "specialized" | "generic"
     target: str | None
     module: str
@@ -153,33 +108,32 @@ class Route:
 
 
 def matching(index: dict, facts: ModelFacts, sm: int, parallel: str) -> list[dict]:
-    """The index's targets for (model, checkpoint, SM, parallel): the router's key (TG6)."""
+    """The index's targets for (model, checkpoint, SM, parallel): the index's key (TG6)."""
     key = (facts.model, facts.checkpoint, sm, parallel)
     return [t for t in index["targets"] if (t["model"], t["checkpoint"], t["sm"], t["parallel"]) == key]
 
 
-def route(
+def pick_build(
     index: dict,
     facts: ModelFacts,
     sm: int,
     parallel: str,
-    layout: tuple[int, int, int, int],
+    layout: Layout,
     selection: Selection,
     mode: str = "auto",
-) -> Route:
+) -> BuildChoice:
     """Choose the build for (model, checkpoint, SM, parallel) under `selection` (TG5, TG6)."""
     if mode not in MODES:
         raise SelectionError(f"mode {mode!r} is not one of {', '.join(MODES)}")
     model = index["models"][facts.model]
-    tp, moe_tp, ep, dp = layout
 
     def generic() -> ModelResolution:
         # Resolved only when the generic build serves: a specialized route has resolved already.
-        return resolve_model(facts, selection, sm, moe_tp, ep)
+        return resolve_model(facts, selection, sm, layout.moe_tp, layout.ep)
 
     targets = matching(index, facts, sm, parallel)
     if mode == "off":
-        return Route("generic", None, model["generic"], ("mode off: always the generic build",), generic())
+        return BuildChoice("generic", None, model["generic"], ("mode off: always the generic build",), generic())
     if not targets:
         declared = ", ".join(t["name"] for t in index["targets"] if t["model"] == facts.model) or "none"
         reason = f"no target of {facts.model} is declared for checkpoint {facts.checkpoint} on sm_{sm} with parallel {parallel} (declared: {declared})"
@@ -187,20 +141,14 @@ def route(
     decision = decide(targets[0], facts, selection, layout)
     if not decision.serves:
         return _generic_or_fail(mode, model, decision.reasons, generic)
-    return Route("specialized", decision.target, decision.module, (), decision.resolution)
-
-
-def _honored(value):
-    if value is None or value == ANY:
-        return value
-    return frozenset(value)
+    return BuildChoice("specialized", decision.target, decision.module, (), decision.resolution)
 
 
 def _describe(bound: dict) -> str:
     return "; ".join(f"{impl} for layers {span(layers)}" for layers, impl in sorted(bound.items())) or "nothing"
 
 
-def _generic_or_fail(mode: str, model: dict, reasons: tuple[str, ...], generic) -> Route:
+def _generic_or_fail(mode: str, model: dict, reasons: tuple[str, ...], generic) -> BuildChoice:
     if mode == "require":
         raise NotHonoredError("mode require: no specialized build serves this deployment: " + "; ".join(reasons) + " (RULES TG5)")
-    return Route("generic", None, model["generic"], reasons, generic())
+    return BuildChoice("generic", None, model["generic"], reasons, generic())
