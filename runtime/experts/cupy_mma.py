@@ -331,7 +331,3 @@ class CupyMmaW4a16Nvfp4Experts(_CupyMmaExperts):
                + _CupyMmaExperts.__doc__)
     IMPL_ID = "cupy.mma.grouped_gemm.w4a16_nvfp4"
     FORMAT = "w4a16_nvfp4"
-
-
-CUPY_EXPERTS = (CupyMmaBf16Experts, CupyMmaFp8BlockScalesExperts, CupyMmaW4a16Mxfp4Experts,
-                CupyMmaW4a8Mxfp4Fp8Experts, CupyMmaW4a16Nvfp4Experts)

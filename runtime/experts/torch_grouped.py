@@ -259,7 +259,3 @@ class TorchGroupedMmW4a16Nvfp4Experts(_PackedGroupedMmExperts):
                + _GroupedMmExperts.__doc__)
     IMPL_ID = "torch.grouped_mm.grouped_gemm.w4a16_nvfp4"
     FORMAT = "w4a16_nvfp4"
-
-
-TORCH_EXPERTS = (TorchGroupedMmBf16Experts, TorchGroupedMmFp8BlockScalesExperts,
-                 TorchGroupedMmW4a16Mxfp4Experts, TorchGroupedMmW4a16Nvfp4Experts)

@@ -117,5 +117,3 @@ class TritonWgmmaFp8BlockScalesExperts(_TritonGroupedExperts, CupyMmaFp8BlockSca
     IMPL_ID = "triton.wgmma.grouped_gemm.fp8_block_scales"
     CONFIGS = ((1e9, ((64, 128, 128, 8, 3, 8), (64, 128, 128, 4, 4, 8))),)
 
-
-TRITON_EXPERTS = (TritonWgmmaBf16Experts, TritonWgmmaFp8BlockScalesExperts)

@@ -105,8 +105,3 @@ class TorchEagerNvfp4Experts(_EagerLoopExperts):
     """VANILLA reference, NVFP4 weights, NVFP4 activations with the static input_scale as global scale."""
     IMPL_ID = "torch.eager.loop.nvfp4"
     FORMAT = "nvfp4"
-
-
-VANILLA_EXPERTS = (TorchEagerBf16Experts, TorchEagerFp8BlockScalesExperts, TorchEagerW4a16Mxfp4Experts,
-                   TorchEagerW4a8Mxfp4Fp8Experts, TorchEagerW4a8Mxfp4Mxfp8Experts,
-                   TorchEagerW4a16Nvfp4Experts, TorchEagerNvfp4Experts)

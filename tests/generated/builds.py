@@ -331,6 +331,45 @@ def no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
 
 
+_VARIANT_TARGET = """
+[[targets]]
+checkpoint = "{name}"
+sm = 90
+parallel = "tp1"
+moe_impls_honored = ["torch.eager.loop.bf16"]
+selection = {{ backend = "VANILLA" }}
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def variant_build(name: str, model: str, **overrides) -> tuple[object, Path]:
+    """(the generated package, its checkpoint folder) of a variant of a tiny model that no declaration holds
+    (`overrides` on its transformers config): transformers writes the checkpoint, and the build is made the
+    way a user makes one, `python -m codegen import-checkpoint` then `generate --models DIR --out OUT`,
+    with one VANILLA target (fp32-exact reference experts). The package `moegen_variant_<name>` is
+    importable from here on (and from processes given `variant_path()` on their PYTHONPATH)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(hf_config(model, **overrides), dtype=torch.bfloat16)
+    randomize(hf, 0)
+    folder = _TMP / "variant-checkpoints" / name
+    hf.save_pretrained(folder)
+    declaration = _TMP / "variant-models" / name / f"{name}.toml"
+    codegen_cli("import-checkpoint", folder, "--out", declaration)
+    declaration.write_text(declaration.read_text() + _VARIANT_TARGET.format(name=name))
+    package = f"moegen_variant_{name}"
+    codegen_cli("generate", "--models", declaration.parent, "--model", name, "--out", variant_path() / package)
+    if str(variant_path()) not in sys.path:
+        sys.path.insert(0, str(variant_path()))
+    return importlib.import_module(package), folder
+
+
+def variant_path() -> Path:
+    """The folder that holds the variant packages."""
+    return _TMP / "variant-builds"
+
+
 def codegen_cli(*args) -> str:
     """`python -m codegen ARGS` in a fresh process from the repository root, as a user runs it; its stdout."""
     done = subprocess.run([sys.executable, "-m", "codegen", *map(str, args)], cwd=ROOT, capture_output=True, text=True)

@@ -171,3 +171,28 @@ def test_the_generic_build_constructs_the_mtp_draft_resolved_at_load(case, trans
     with pytest.raises(ValueError) as info:
         module.DRAFT_CLASS(checkpoint=f"{model}_bf16", sm=90, selection=Selection(), dtype=torch.float32)
     assert str(info.value) == f"{model}/generic draft serves speculative_config.mode 'mtp'; pass a selection with that mode"
+
+
+def test_the_draft_on_the_vanilla_experts_in_fp32_is_transformers_mtp_layer_to_fp32_precision(case, transformers_mtp):
+    """The generic draft bound to the VANILLA reference experts (fp32 GEMMs): nothing rounds to bf16, so the
+    MTP layer's logits equal transformers' float64 `MtpLayer` to fp32 precision (observed <= 5e-7; any
+    misplaced tensor or step of the formula is off by the logits' own size)."""
+    from registry.selection import Selection
+
+    model, folder, tensors, target, draft, _ = case
+    main, mtp = transformers_mtp
+    module = builds.load(f"generated.{model}.generic.draft")
+    selection = Selection(spec_mode="mtp", draft_backend="VANILLA")
+    vanilla = module.DRAFT_CLASS(checkpoint=f"{model}_bf16", sm=90, selection=selection, dtype=torch.float32)
+    vanilla.load_checkpoint(folder)
+    assert {impl for _, impl in vanilla.draft_layer_ids()} == {"torch.eager.loop.bf16"}
+    prefix = _mtp_prefix(draft)
+    vocab = main.config.vocab_size
+    ids, next_ids = builds.token_ids(vocab, 2, 10), builds.token_ids(vocab, 2, 10)
+    with torch.no_grad():
+        hidden = 3 * torch.randn(2, 10, main.config.hidden_size)  # any hidden state: the layer's input
+        logits, _ = vanilla(next_ids, hidden)
+        embeds = tensors[prefix + "embed_tokens.weight"].double()[next_ids]
+        normed = mtp.forward_layer(0, hidden.double(), torch.arange(ids.shape[1])[None], None, inputs_embeds=embeds)
+        expected = normed @ tensors[prefix + "shared_head.head.weight"].double().T
+    assert float((logits.double() - expected).abs().max() / expected.abs().max()) < 2e-5

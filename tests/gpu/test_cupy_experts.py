@@ -21,14 +21,15 @@ import pytest
 import torch
 
 from runtime.experts.base import DictExpertSource, ExpertParallel, MoeLayerSpec
-from runtime.experts.cupy_mma import CUPY_EXPERTS, CupyMmaBf16Experts
-from runtime.experts.vanilla import VANILLA_EXPERTS
-from tests.runtime.helpers_experts import assert_rel_close, make_expert_tensors, random_hidden, random_routing
+from runtime.experts.cupy_mma import CupyMmaBf16Experts
+from tests.runtime.helpers_experts import (assert_rel_close, make_expert_tensors, random_hidden, random_routing,
+                                          registry_classes)
 
 pytestmark = pytest.mark.gpu
 cupy = pytest.importorskip("cupy")
 
-VANILLA = {cls.FORMAT: cls for cls in VANILLA_EXPERTS}
+VANILLA = {cls.FORMAT: cls for cls in registry_classes("VANILLA")}
+CUPY_EXPERTS = registry_classes("CUPY")
 FP8_ACT = {"fp8_block_scales", "w4a8_mxfp4_fp8"}
 # (hidden, intermediate): multiples of the kernels' K-chunk, not powers of two
 SHAPES = {"fp8_block_scales": (384, 256)}

@@ -66,9 +66,13 @@ def _check_decoding(model, tolerance):
         assert err < tolerance, f"position {t}: relative error {err:.2e} against the full forward"
 
 
+# bf16: the builds users run. fp32: what is left is the TORCH experts' bf16 GEMM operands and their
+# grouping of 1 and S tokens (1e-3, as on the CPU: tests/generated/test_decoding.py); a graph replayed
+# at stale positions or with a stale cache is off by the logits' own size.
+@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 2e-2), (torch.float32, 1e-3)], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("family", sorted(SPECIALIZED))
-def test_specialized_build_decodes_in_a_graph_without_host_syncs(family):
-    _check_decoding(_specialized(family, torch.bfloat16), 2e-2)
+def test_specialized_build_decodes_in_a_graph_without_host_syncs(family, dtype, tolerance):
+    _check_decoding(_specialized(family, dtype), tolerance)
 
 
 @pytest.mark.parametrize("model_name", GENERIC)

@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from runtime.experts.base import ExpertParallel
-from runtime.experts.torch_grouped import TorchGroupedMmW4a16Mxfp4Experts, TorchGroupedMmW4a16Nvfp4Experts
 from tests.runtime import helpers_memory as mem
-from tests.runtime.helpers_experts import assert_rel_close
+from tests.runtime.helpers_experts import assert_rel_close, registry_classes
 
 pytestmark = pytest.mark.gpu
+
+TORCH_4BIT = tuple(c for c in registry_classes("TORCH") if c.FORMAT not in ("bf16", "fp8_block_scales"))
 
 
 def _allocated_during(fn):
@@ -31,7 +32,7 @@ def _allocated_during(fn):
     return result, torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated() - base
 
 
-@pytest.mark.parametrize("cls", [TorchGroupedMmW4a16Mxfp4Experts, TorchGroupedMmW4a16Nvfp4Experts], ids=lambda c: c.FORMAT)
+@pytest.mark.parametrize("cls", TORCH_4BIT, ids=lambda c: c.FORMAT)
 def test_torch_4bit_layer_peak_memory_on_the_gpu(cls):
     source = mem.packed_source(cls.FORMAT)
     bf16_source = mem.bf16_source(source, cls.FORMAT)

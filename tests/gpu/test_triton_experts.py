@@ -21,15 +21,15 @@ import pytest
 import torch
 
 from runtime.experts.base import DictExpertSource, ExpertParallel, MoeLayerSpec
-from runtime.experts.triton_grouped import TRITON_EXPERTS, TritonWgmmaFp8BlockScalesExperts
-from runtime.experts.vanilla import VANILLA_EXPERTS
-from tests.runtime.helpers_experts import assert_rel_close, make_expert_tensors, random_hidden, random_routing
+from runtime.experts.triton_grouped import TritonWgmmaFp8BlockScalesExperts
+from tests.runtime.helpers_experts import assert_rel_close, registry_classes, make_expert_tensors, random_hidden, random_routing
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("cupy")
 pytest.importorskip("triton")
 
-VANILLA = {cls.FORMAT: cls for cls in VANILLA_EXPERTS}
+TRITON_EXPERTS = registry_classes("TRITON")
+VANILLA = {cls.FORMAT: cls for cls in registry_classes("VANILLA")}
 # (hidden, intermediate): multiples of the K-blocks, not of the 128-wide output blocks (bf16)
 SHAPES = {"bf16": (320, 192), "fp8_block_scales": (384, 256)}
 

@@ -7,6 +7,8 @@ one-rank (tp1) builds loading the same files in the test process.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 
 import torch
 
@@ -40,11 +42,28 @@ def write_checkpoint(model: str, folder) -> str:
     return str(folder)
 
 
+# Where the ranks find the variant builds of tests/generated/builds.variant_build (set through
+# `launch(env=...)`: a rank is a fresh process that never made them).
+VARIANT_PATH_ENV = "MOEGEN_TEST_VARIANT_PATH"
+
+
+def generic_module(model: str):
+    """The generic build of a generated model, or of a CLI-built variant (package moegen_variant_<model>)."""
+    if model in INDEX["models"]:
+        return importlib.import_module(INDEX["models"][model]["generic"], "generated")
+    folder = os.environ.get(VARIANT_PATH_ENV)
+    if folder and folder not in sys.path:
+        sys.path.insert(0, folder)
+    package = f"moegen_variant_{model}"
+    index = importlib.import_module(f"{package}._router_index").INDEX
+    return importlib.import_module(index["models"][model]["generic"], package)
+
+
 def load_fp32_reference(model, sm, parallel, *, checkpoint, checkpoint_name, device="cpu", mode="off", rank=0, seed=0):
     """A `load_model` stand-in: the generic build in fp32 with every MoE layer on the VANILLA experts."""
     from registry.selection import Selection
 
-    generic = importlib.import_module(INDEX["models"][model]["generic"], "generated")
+    generic = generic_module(model)
     built = generic.MODEL_CLASS(checkpoint=checkpoint_name, sm=sm, parallel=parallel, selection=Selection(backend="VANILLA"),
                                 device=device, rank=rank, dtype=torch.float32)
     built.load_checkpoint(checkpoint)

@@ -16,6 +16,16 @@ WEIGHT_FAMILY = {"bf16": "bf16", "fp8_block_scales": "fp8", "w4a16_mxfp4": "mxfp
 FP4_MAX_X_FP8_MAX = 6 * 448
 
 
+def registry_classes(family: str | None = None) -> tuple[type, ...]:
+    """The runtime classes of a registry family's entries (None: every entry's), in priority order:
+    registry/impls.toml is the one list of implementations (test_registry_agreement.py checks it against
+    the classes under runtime/experts/, both ways)."""
+    from registry.impls import load_registry
+    from runtime.build import load_class
+
+    return tuple(load_class(i.class_path) for i in load_registry().impls if family in (None, i.family))
+
+
 def projections(spec):
     return ("gate", "up", "down") if spec.activation != "relu2" else ("up", "down")
 

@@ -14,15 +14,14 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from runtime.experts.base import DictExpertSource, ExpertParallel, MoeLayerSpec
-from runtime.experts.torch_grouped import (TorchGroupedMmBf16Experts, TorchGroupedMmW4a16Mxfp4Experts,
-                                           TorchGroupedMmW4a16Nvfp4Experts)
-from runtime.experts.vanilla import VANILLA_EXPERTS
+from runtime.experts.torch_grouped import TorchGroupedMmBf16Experts
 
 from . import helpers_memory as mem
-from .helpers_experts import make_expert_tensors, random_hidden, random_routing
+from .helpers_experts import make_expert_tensors, random_hidden, random_routing, registry_classes
 
-TORCH_4BIT = (TorchGroupedMmW4a16Mxfp4Experts, TorchGroupedMmW4a16Nvfp4Experts)
-VANILLA_4BIT = tuple(c for c in VANILLA_EXPERTS if c.FORMAT not in ("bf16", "fp8_block_scales"))
+_NOT_4BIT = ("bf16", "fp8_block_scales")
+TORCH_4BIT = tuple(c for c in registry_classes("TORCH") if c.FORMAT not in _NOT_4BIT)
+VANILLA_4BIT = tuple(c for c in registry_classes("VANILLA") if c.FORMAT not in _NOT_4BIT)
 BIAS_BUFFERS = ("b13", "b2", "gate_bias", "up_bias", "down_bias")
 
 

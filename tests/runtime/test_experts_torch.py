@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from runtime.experts.base import DictExpertSource, ExpertParallel, MoeLayerSpec
-from runtime.experts.torch_grouped import TORCH_EXPERTS, TorchGroupedMmBf16Experts
-from runtime.experts.vanilla import VANILLA_EXPERTS
+from runtime.experts.torch_grouped import TorchGroupedMmBf16Experts
 
 from .helpers_experts import (assert_rel_close, make_expert_tensors, random_hidden, random_routing,
-                              reference_moe)
+                              reference_moe, registry_classes)
 
-VANILLA = {cls.FORMAT: cls for cls in VANILLA_EXPERTS}
+VANILLA = {cls.FORMAT: cls for cls in registry_classes("VANILLA")}
+TORCH_EXPERTS = registry_classes("TORCH")
 SHAPES = {"bf16": (40, 24), "fp8_block_scales": (200, 136), "w4a16_mxfp4": (64, 96), "w4a16_nvfp4": (48, 80)}
 ACTS = {"silu_glu": dict(), "swiglu_oai": dict(expert_bias=True), "relu2": dict()}
 

@@ -11,9 +11,12 @@ import pytest
 import torch
 
 from runtime.experts.base import DictExpertSource, ExpertParallel, MoeLayerSpec
-from runtime.experts.torch_grouped import TORCH_EXPERTS, TorchGroupedMmBf16Experts
+from runtime.experts.torch_grouped import TorchGroupedMmBf16Experts
 
-from .helpers_experts import assert_rel_close, make_expert_tensors, random_hidden, random_routing, reference_moe
+from .helpers_experts import (assert_rel_close, make_expert_tensors, random_hidden, random_routing, reference_moe,
+                              registry_classes)
+
+TORCH_EXPERTS = registry_classes("TORCH")
 
 pytestmark = pytest.mark.gpu
 

@@ -17,11 +17,12 @@ from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from runtime.experts.base import DictExpertSource, ExpertParallel, MoeLayerSpec
-from runtime.experts.vanilla import VANILLA_EXPERTS, TorchEagerBf16Experts
+from runtime.experts.vanilla import TorchEagerBf16Experts
 
-from .helpers_experts import assert_rel_close, make_expert_tensors, random_hidden, random_routing, reference_moe
+from .helpers_experts import (assert_rel_close, make_expert_tensors, random_hidden, random_routing, reference_moe,
+                              registry_classes)
 
-BY_FORMAT = {cls.FORMAT: cls for cls in VANILLA_EXPERTS}
+BY_FORMAT = {cls.FORMAT: cls for cls in registry_classes("VANILLA")}
 
 
 # --- against transformers ---------------------------------------------------------------------------

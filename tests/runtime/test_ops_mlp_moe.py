@@ -1,21 +1,29 @@
 """Dense MLP, shared experts and the MoE block against the transformers MLP / sparse-MoE modules of each family.
 
-Routed experts are `assemble.LoopExperts` (the experts contract, canonical per-expert tensors) loaded from
-the transformers module's fused expert tensors, so these tests check the block's wiring (router, shared
-expert, its sigmoid gate, the block-held MiniMax bias, summation) rather than an experts implementation.
+Routed experts are the VANILLA reference class (`runtime.experts.vanilla`, fp32 GEMMs) loaded through the
+runtime's own checkpoint source for the transformers module's expert tensors
+(`runtime.checkpoint.experts_sources`), so these tests check the block's wiring (router, shared expert, its
+sigmoid gate, the block-held MiniMax bias, summation) rather than an experts implementation.
 Tolerances: fp32 atol 1e-5 on outputs of O(0.1-1); bf16 2e-2 relative to the largest output (transformers
 accumulates the k expert outputs in bf16, ours in fp32).
 """
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import save_file
 
+from runtime.checkpoint.experts_sources import experts_source
+from runtime.checkpoint.reader import CheckpointReader
+from runtime.experts.base import MoeLayerSpec
+from runtime.experts.vanilla import TorchEagerBf16Experts
 from runtime.ops.mlp import MLP, SharedExpertGate
 from runtime.ops.moe import MoEBlock
 from runtime.parallel import Layout
 from runtime.routing import LinearTopKSoftmaxRouter, SigmoidTopKRouter, SoftmaxTopKRouter
-from tests.runtime.assemble import CheckpointExpertSource, LoopExperts
 
 H, I, E = 64, 32, 8
 DTYPES = [torch.float32, torch.bfloat16]
@@ -43,19 +51,23 @@ def _copy_by_name(ours, theirs, skip=("experts.",)):
         ours_params[name].copy_(t)
 
 
-def _loop_experts(hf_experts, *, activation="silu_glu", expert_bias=False, dtype):
-    """LoopExperts loaded from a transformers v5 experts module (fused 3-D tensors)."""
-    if activation == "swiglu_oai":  # gpt-oss keeps its checkpoint layout in memory
-        tensors = {n: t.detach() for n, t in hf_experts.named_parameters()}
-    else:  # [E, 2I, H] = [gate; up] per expert, [E, H, I]
+def _vanilla_experts(hf_experts, *, top_k, activation="silu_glu", expert_bias=False, dtype):
+    """The VANILLA experts of a transformers 5 experts module's weights, written as its checkpoint holds them
+    and read back through the runtime's source for that layout."""
+    if activation == "swiglu_oai":  # gpt-oss keeps its checkpoint layout (gpt_oss_bf16) in memory
+        tensors = {f"experts.{n}": t.detach() for n, t in hf_experts.named_parameters()}
+    else:  # fused [E, 2I, H] = [gate; up] per expert and [E, H, I] in memory; one tensor per expert on disk
         gate_up, down = hf_experts.gate_up_proj.detach(), hf_experts.down_proj.detach()
         tensors = {}
         for e in range(gate_up.shape[0]):
-            tensors[f"{e}.gate_proj.weight"], tensors[f"{e}.up_proj.weight"] = gate_up[e].chunk(2, dim=0)
-            tensors[f"{e}.down_proj.weight"] = down[e]
-    experts = LoopExperts(num_experts=E, hidden_size=H, intermediate_size=I, activation=activation,
-                          expert_bias=expert_bias, dtype=dtype)
-    experts.load_weights(CheckpointExpertSource(tensors, ""))
+            tensors[f"experts.{e}.gate_proj.weight"], tensors[f"experts.{e}.up_proj.weight"] = gate_up[e].chunk(2, dim=0)
+            tensors[f"experts.{e}.down_proj.weight"] = down[e]
+    spec = MoeLayerSpec(H, I, E, top_k, activation, expert_bias=expert_bias)
+    experts = TorchEagerBf16Experts(spec, dtype=dtype)
+    with tempfile.TemporaryDirectory() as folder:
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(Path(folder) / "model.safetensors"))
+        with CheckpointReader(folder) as reader:
+            experts.load_weights(experts_source(reader, "experts"))
     return experts
 
 
@@ -102,7 +114,7 @@ def test_moe_block_with_shared_experts_matches_deepseek_style_moe(dtype, family)
     ours = MoEBlock(
         gate=SigmoidTopKRouter(hidden_size=H, num_experts=E, top_k=3, n_group=kw["n_group"],
                                topk_group=kw["topk_group"], routed_scaling_factor=2.5),
-        experts=_loop_experts(theirs.experts, dtype=dtype),
+        experts=_vanilla_experts(theirs.experts, top_k=3, dtype=dtype),
         shared_experts=MLP(hidden_size=H, intermediate_size=2 * I, reduce_output=False, dtype=dtype),
     )
     _copy_by_name(ours, theirs)
@@ -120,7 +132,7 @@ def test_moe_block_with_gated_shared_expert_matches_qwen2_moe(dtype):
     _randomise(theirs, 4)
     ours = MoEBlock(
         gate=SoftmaxTopKRouter(hidden_size=H, num_experts=E, top_k=3, norm_topk_prob=True, dtype=dtype),
-        experts=_loop_experts(theirs.experts, dtype=dtype),
+        experts=_vanilla_experts(theirs.experts, top_k=3, dtype=dtype),
         shared_expert=MLP(hidden_size=H, intermediate_size=48, reduce_output=False, dtype=dtype),
         shared_expert_gate=SharedExpertGate(hidden_size=H, dtype=dtype),
     )
@@ -145,7 +157,7 @@ def test_moe_block_matches_qwen3_moe_and_mixtral(dtype):
         _randomise(theirs, 10 + seed)
         ours = MoEBlock(
             gate=SoftmaxTopKRouter(hidden_size=H, num_experts=E, top_k=k, norm_topk_prob=renorm, dtype=dtype),
-            experts=_loop_experts(theirs.experts, dtype=dtype),
+            experts=_vanilla_experts(theirs.experts, top_k=k, dtype=dtype),
         )
         _copy_by_name(ours, theirs)
         x = _x(20 + seed, dtype)
@@ -162,7 +174,7 @@ def test_moe_block_holds_the_minimax_m2_correction_bias(dtype):
     ours = MoEBlock(
         gate=SigmoidTopKRouter(hidden_size=H, num_experts=E, top_k=3, fp32_gemm=False, bias_on_block=True,
                                dtype=dtype),
-        experts=_loop_experts(theirs.experts, dtype=dtype),
+        experts=_vanilla_experts(theirs.experts, top_k=3, dtype=dtype),
     )
     assert "e_score_correction_bias" in dict(ours.named_parameters())  # block_sparse_moe.e_score_correction_bias
     _copy_by_name(ours, theirs)
@@ -181,7 +193,7 @@ def test_moe_block_with_biased_router_and_swiglu_experts_matches_gpt_oss(dtype):
         theirs.experts.gate_up_proj.mul_(10)  # push some gate/up values past the clamp limit of 7
     ours = MoEBlock(
         router=LinearTopKSoftmaxRouter(hidden_size=H, num_experts=E, top_k=2, dtype=dtype),
-        experts=_loop_experts(theirs.experts, activation="swiglu_oai", expert_bias=True, dtype=dtype),
+        experts=_vanilla_experts(theirs.experts, top_k=2, activation="swiglu_oai", expert_bias=True, dtype=dtype),
     )
     _copy_by_name(ours, theirs)
     x = _x(9, dtype)
@@ -195,7 +207,7 @@ def test_moe_block_with_biased_router_and_swiglu_experts_matches_gpt_oss(dtype):
 def test_moe_block_state_dict_has_only_checkpoint_names():
     block = MoEBlock(
         gate=SigmoidTopKRouter(hidden_size=H, num_experts=E, top_k=2),
-        experts=LoopExperts(num_experts=E, hidden_size=H, intermediate_size=I),
+        experts=TorchEagerBf16Experts(MoeLayerSpec(H, I, E, 2, "silu_glu")),
         shared_experts=MLP(hidden_size=H, intermediate_size=I, reduce_output=False),
     )
     top = {k.split(".")[0] + "." + k.split(".")[1] for k in block.state_dict() if not k.startswith("experts.")}
@@ -204,7 +216,7 @@ def test_moe_block_state_dict_has_only_checkpoint_names():
 
 
 def test_moe_block_refuses_ambiguous_wiring():
-    experts = LoopExperts(num_experts=E, hidden_size=H, intermediate_size=I)
+    experts = TorchEagerBf16Experts(MoeLayerSpec(H, I, E, 2, "silu_glu"))
     router = SoftmaxTopKRouter(hidden_size=H, num_experts=E, top_k=2, norm_topk_prob=True)
     with pytest.raises(ValueError, match="exactly one"):
         MoEBlock(gate=router, router=router, experts=experts)
