@@ -42,9 +42,11 @@ def test_a_dep_rank_decode_step_captures_and_replays_without_host_syncs(fake_wor
     # Decoder itself, not model.decoder: the bucket agreement that one reads back is a fake all-gather too.
     # No prefill: its variable exchange reads counts the fake group never wrote.
     decoder = Decoder(model, 2, 256)
+    # Warm-up and capture: the warm-up builds lazy index tables on the device (a copy that syncs, once);
+    # a host sync during the capture itself fails it.
+    decoder.step(ids[:, 0])
+    assert decoder.graph is not None
     with builds.no_host_sync():
-        decoder.step(ids[:, 0])  # warm-up and capture: any host sync there fails the capture
-        assert decoder.graph is not None
         for t in range(1, ids.shape[1]):
             logits = decoder.step(ids[:, t])
     torch.cuda.synchronize()
