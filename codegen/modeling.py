@@ -246,11 +246,17 @@ def generic_draft(decl: Declaration):
 
 
 def render_generic_draft(decl: Declaration, plan: BuildPlan, command: str) -> str:
+    """The generic build's MTP draft (resolved at load). Its text reads the model's name and the declared
+    draft's name, kind and first mode, and nothing else of the generic plan: its fingerprint is theirs (GN2)."""
     from types import SimpleNamespace
+
+    from codegen.plan import fingerprint
 
     declared = generic_draft(decl)
     draft = SimpleNamespace(name=declared.name, kind=declared.kind, mode=declared.modes[0], layers=())
+    inputs = {"model": plan.model, "draft": {"name": draft.name, "kind": draft.kind, "mode": draft.mode}}
     summary = ["Serves what the generic modeling.py serves; its MoE layers resolve when it loads, under the draft's",
                "own selection (RULES DR1, DR2, GN1)."]
-    return render_python("draft_mtp.py.j2", f"{plan.model}/generic/draft.py", command, plan.fingerprint,
-                         f"Generic draft of {plan.model}.", plan=plan, draft=draft, summary=summary, generic=True)
+    return render_python("draft_mtp.py.j2", f"{plan.model}/generic/draft.py", command, fingerprint(inputs),
+                         f"Generic draft of {plan.model}.", plan=SimpleNamespace(model=plan.model), draft=draft,
+                         summary=summary, generic=True)
