@@ -27,15 +27,16 @@ BUILTINS = {
 }
 MODEL_ATTRIBUTES = frozenset({
     # torch and torch.nn
-    "arange", "bfloat16", "device", "dtype", "shape", "Module", "ModuleDict", "ModuleList", "add_module", "__init__",
-    # runtime.build, runtime.parallel.Layout, the generic build's resolution
-    "check_placement", "check_rank", "init_random", "load_class", "log_implementations", "cpu_impls", "implementations",
+    "arange", "bfloat16", "device", "dtype", "shape", "Module", "ModuleList", "__init__",
+    # runtime.build, runtime.parallel.Layout, the generic build's resolution (checks, logging, loading and
+    # random init are runtime.causal_lm's and runtime.draft_build's, so no build file calls them)
+    "load_class", "cpu_impls", "implementations",
     "resolution", "layers", "layout", "ep", "ep_rank", "moe_tp", "moe_tp_rank", "tp", "tp_rank", "world", "items",
     # the modules a build is made of (checkpoint names)
     "model", "embed_tokens", "self_attn", "mlp", "block_sparse_moe", "input_layernorm", "post_attention_layernorm",
-    "norm", "rotary_emb", "lm_head", "shared_head", "blocks", "new_cache", "hidden_states", "rank",
-    # draft builds (MTP, generic MTP resolved at load, Eagle3, external drafters)
-    "spec_mode", "draft_layers", "_layers", "head", "midlayer", "to_target_ids", "share_embedding",
+    "norm", "rotary_emb", "lm_head", "hidden_states", "rank",
+    # generic MTP drafts, resolved at load
+    "spec_mode", "draft_layers",
 })
 ATTRIBUTES = {
     SPECIALIZED: MODEL_ATTRIBUTES,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from codegen.modelspec import normalize
 from codegen.plan import BuildPlan
-from codegen.render import py, render_python
+from codegen.render import py_block, render_python
 from contract import ROLE_NAMES
 from families import FAMILIES, template_name
 from families.base import FamilySpec
@@ -38,21 +38,10 @@ def _experts_spec(decl: Declaration, c: dict) -> str:
     return f"\n    hidden_size=HIDDEN_SIZE, intermediate_size=MOE_INTERMEDIATE_SIZE, num_experts=NUM_EXPERTS, top_k=TOP_K,\n    {args},\n"
 
 
-def _literal(value, width: int = 100) -> str:
-    """A constant's literal: on one line when it fits, else a dict one entry per line or a tuple wrapped."""
-    text = py(value)
-    if len(text) <= width:
-        return text
-    if isinstance(value, dict):
-        return "{\n" + "".join(f"    {py(k)}: {py(v)},\n" for k, v in sorted(value.items())) + "}"
-    lines, line = [], ""
-    for item in (py(v) for v in value):
-        if line and len(line) + len(item) + 2 > width:
-            lines.append(line)
-            line = ""
-        line += item + ", "
-    lines.append(line)
-    return "(\n" + "".join(f"    {l.rstrip()}\n" for l in lines) + ")"
+def _constant(value) -> str:
+    """A constant of modeling.py: on one line when it fits in 100 characters, else a dict one entry per line
+    or a table of like values packed."""
+    return py_block(value, width=100, fill=True)
 
 
 def _architecture(spec: FamilySpec, c: dict, plan: BuildPlan) -> list[str]:
@@ -112,13 +101,13 @@ def _context(decl: Declaration, plan: BuildPlan, registry: Registry, generic: bo
         experts_imports=sorted((m, sorted(set(n))) for m, n in imports.items()),
         implementations=[(i, registry.impl(i).class_name, registry.impl(i).family) for i in impls],
         cpu_impls=tuple(i for i in impls if registry.impl(i).cpu),
-        honored=_literal(plan.moe_impls_honored),
-        draft_honored=_literal(plan.draft_moe_impls_honored),
+        honored=_constant(plan.moe_impls_honored),
+        draft_honored=_constant(plan.draft_moe_impls_honored),
         # The draft's tensors live in the checkpoint beside the target's: the target build skips exactly those.
         ignored=spec.draft_ignore(decl.config),
         experts_spec=_experts_spec(decl, c),
-        rope_literal=_literal(c["rope"]),
-        windows_literal=_literal(c["sliding_windows"]),
+        rope_literal=_constant(c["rope"]),
+        windows_literal=_constant(c["sliding_windows"]),
         architecture=_architecture(spec, c, plan),
     )
 
@@ -257,11 +246,17 @@ def generic_draft(decl: Declaration):
 
 
 def render_generic_draft(decl: Declaration, plan: BuildPlan, command: str) -> str:
+    """The generic build's MTP draft (resolved at load). Its text reads the model's name and the declared
+    draft's name, kind and first mode, and nothing else of the generic plan: its fingerprint is theirs (GN2)."""
     from types import SimpleNamespace
+
+    from codegen.plan import fingerprint
 
     declared = generic_draft(decl)
     draft = SimpleNamespace(name=declared.name, kind=declared.kind, mode=declared.modes[0], layers=())
+    inputs = {"model": plan.model, "draft": {"name": draft.name, "kind": draft.kind, "mode": draft.mode}}
     summary = ["Serves what the generic modeling.py serves; its MoE layers resolve when it loads, under the draft's",
                "own selection (RULES DR1, DR2, GN1)."]
-    return render_python("draft_mtp.py.j2", f"{plan.model}/generic/draft.py", command, plan.fingerprint,
-                         f"Generic draft of {plan.model}.", plan=plan, draft=draft, summary=summary, generic=True)
+    return render_python("draft_mtp.py.j2", f"{plan.model}/generic/draft.py", command, fingerprint(inputs),
+                         f"Generic draft of {plan.model}.", plan=SimpleNamespace(model=plan.model), draft=draft,
+                         summary=summary, generic=True)

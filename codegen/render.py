@@ -52,17 +52,26 @@ def doc(text) -> str:
     return printable(str(text).replace("\\", "\\\\").replace('"', '\\"'))
 
 
-def py_block(value, indent: int = 0, width: int = 110) -> str:
-    """`py`, but a dict or list too long for one line gets one item per line (reviewable diffs)."""
+def py_block(value, indent: int = 0, width: int = 110, fill: bool = False) -> str:
+    """`py`, but a dict, list or tuple too long for one line gets one item per line (reviewable diffs);
+    with `fill`, a sequence of scalars (a table of like values: honored ids, per-layer windows) is packed
+    instead, as many items a line as fit in `width - indent`."""
     flat = py(value)
     if indent + len(flat) <= width or not isinstance(value, (dict, list, tuple)) or not value:
         return flat
     pad, inner = " " * indent, " " * (indent + 4)
     if isinstance(value, dict):
-        items = [f"{inner}{py(k)}: {py_block(v, indent + 4, width - len(py(k)) - 2).lstrip()}," for k, v in sorted(value.items())]
+        items = [f"{inner}{py(k)}: {py_block(v, indent + 4, width - len(py(k)) - 2, fill).lstrip()}," for k, v in sorted(value.items())]
         return "{\n" + "\n".join(items) + f"\n{pad}}}"
-    items = [f"{inner}{py_block(v, indent + 4, width).lstrip()}," for v in value]
     opening, closing = ("(", ")") if isinstance(value, tuple) else ("[", "]")
+    if fill and not any(isinstance(v, (dict, list, tuple)) for v in value):
+        lines = [""]
+        for item in (py(v) for v in value):
+            if lines[-1] and len(lines[-1]) + len(item) + 2 > width - indent:
+                lines.append("")
+            lines[-1] += item + ", "
+        return opening + "\n" + "\n".join(f"{inner}{line.rstrip()}" for line in lines) + f"\n{pad}{closing}"
+    items = [f"{inner}{py_block(v, indent + 4, width, fill).lstrip()}," for v in value]
     return opening + "\n" + "\n".join(items) + f"\n{pad}{closing}"
 
 

@@ -12,7 +12,7 @@ import pytest
 from codegen.plan import generic_plan, target_plan
 from registry.declarations import find_model, load_models
 from registry.selection import Selection
-from tests.codegen.helpers import MYMOE, cli, files, write_models
+from tests.codegen.helpers import MYMOE, ROOT, cli, files, write_models
 
 SPELLINGS = ("torch.eager", "Eager.TORCH", " *.eager.torch \t", "torch.eager.*.*", "eager.*.torch")
 
@@ -97,3 +97,29 @@ def test_a_new_implementation_changes_only_the_reports_it_enters_and_no_build_th
     assert not [p for p in changed if p.endswith(".py")]
     unaffected = [p for p in new if p.endswith("/resolution.json") and p not in entered]
     assert unaffected, "every build's resolution lists the new implementation: nothing shows a build left alone"
+
+
+def test_the_generic_draft_fingerprint_covers_the_declared_draft_name_and_kind(capsys, tmp_path):
+    # RULES GN2: the generic draft.py names its declared draft and reads its kind (which tensors it skips);
+    # renaming the draft or changing its kind changes that file's text, so it must change its fingerprint too,
+    # and leaves the generic modeling.py (which reads neither) byte-identical.
+    source = (ROOT / "registry" / "models" / "tiny_deepseek_v3.toml").read_text(encoding="utf-8")
+    # Its first target, under a name of the user's own (a --models model may not shadow a project one).
+    source = source[: source.index("[[targets]]", source.index("[[targets]]") + 1)].replace("tiny_deepseek_v3", "mtpmoe")
+    renamed = source.replace('name = "mtpmoe_mtp"', 'name = "mtpmoe_nextn"')
+    replaced = source.replace('kind = "embedded_mtp"', 'kind = "replacement_mtp"\nnum_layers = 1\n'
+                              'checkpoint = { name = "own_head_bf16" }')
+    assert len({source, renamed, replaced}) == 3
+    trees = []
+    for n, text in enumerate((source, renamed, replaced)):
+        folder = write_models(tmp_path / "models", mtpmoe=text)   # one folder: the header names it
+        out = tmp_path / f"out{n}"
+        code, _, err = cli(capsys, "generate", "--models", folder, "--model", "mtpmoe", "--out", out)
+        assert (code, err) == (0, "")
+        trees.append(files(out))
+    drafts = [tree["mtpmoe/generic/draft.py"].decode() for tree in trees]
+    assert len(set(drafts)) == 3
+    prints = [text.splitlines()[2] for text in drafts]
+    assert all(p.startswith("# Fingerprint: sha256:") for p in prints)
+    assert len(set(prints)) == 3, prints
+    assert len({tree["mtpmoe/generic/modeling.py"] for tree in trees[:2]}) == 1

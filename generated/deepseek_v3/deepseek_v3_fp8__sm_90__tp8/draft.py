@@ -11,15 +11,11 @@ MoE draft layers 61 (fp8_block_scales): cupy.mma.grouped_gemm.fp8_block_scales (
 """
 
 import torch
-from torch import nn
 
-from runtime import build
-from runtime.checkpoint import load_checkpoint
-from runtime.ops import MTPBlock, VocabEmbedding
-from runtime.parallel import attach_layout
+from runtime.draft_build import MTPDraft
 from runtime.experts.cupy_mma import CupyMmaFp8BlockScalesExperts
 
-from .modeling import HIDDEN_SIZE, LAYOUT, NUM_TARGET_LAYERS, PARALLEL, RMS_NORM_EPS, SM, TARGET, VOCAB_SIZE, make_layer, make_rotary
+from .modeling import ARCHITECTURE, LAYOUT, NUM_TARGET_LAYERS, PARALLEL, RMS_NORM_EPS, SM, TARGET
 
 DRAFT = 'deepseek_v3_mtp'
 MODE = 'mtp'
@@ -37,78 +33,16 @@ CPU_IMPLS = ()
 IGNORED_TENSORS = ("model.embed_tokens.*", "model.norm.*", "lm_head.*") + tuple(f"model.layers.{i}.*" for i in range(NUM_TARGET_LAYERS))
 
 
-def make_mtp_layer(index, experts_cls, layout, rank, dtype):
-    """One MTP block named as the checkpoint's `model.layers.<index>`, with its own embedding copy."""
-    block = MTPBlock(
-        hidden_size=HIDDEN_SIZE, vocab_size=VOCAB_SIZE, rms_norm_eps=RMS_NORM_EPS,
-        decoder_layer=make_layer(index, experts_cls, layout, rank, dtype),
-        tp_rank=layout.tp_rank(rank), tp_size=layout.tp, dtype=dtype,
-    )
-    block.add_module(
-        "embed_tokens",
-        VocabEmbedding(vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, tp_rank=layout.tp_rank(rank), tp_size=layout.tp, dtype=dtype),
-    )
-    return block
-
-
-class Draft(nn.Module):
-    """`forward(next_token_ids [B, S], target_hidden [B, S, H], positions [S], cache, step=0) -> (logits, hidden)`.
-
-    `target_hidden` is the target's `hidden_states(...)` of the previous positions: after its final norm, as the
-    reference engines pass it. The draft shares the target's vocabulary: `to_target_ids` is the identity.
-    """
-
-    # What the speculative loop feeds `forward` (the draft interface every draft build presents).
-    INPUT = "hidden"
+class Draft(MTPDraft):
+    """The MTP layers over the target's hidden states: their checks, construction, forward and loading are
+    `runtime.draft_build.MTPDraft`'s; this class states what the draft binds. The draft shares the target's
+    vocabulary: `to_target_ids` is the identity."""
 
     def __init__(self, device="cpu", rank=0, dtype=torch.bfloat16):
-        super().__init__()
-        layers, implementations, layout = DRAFT_LAYERS, IMPLEMENTATIONS, LAYOUT
-        build.check_placement(TARGET + " draft", SM, device, implementations, CPU_IMPLS, owner=self)
-        # The draft runs on its target's ranks and layout: the same world checks as modeling.py's.
-        attach_layout(self, TARGET + " draft", PARALLEL, layout, rank)
-        build.check_rank(TARGET + " draft", layout.world, rank)
-        self.layout, self._layers = layout, tuple(layers)
-        self.rank, self.device, self.dtype = rank, torch.device(device), dtype
-        with torch.device(device):
-            self.model = nn.Module()
-            self.model.layers = nn.ModuleDict(
-                {str(i): make_mtp_layer(i, implementations[impl][0], layout, rank, dtype) for i, impl in layers}
-            )
-            self.rotary_emb = make_rotary()
-        self.blocks = tuple(self.model.layers[str(i)] for i, _ in layers)
-        build.log_implementations(implementations)
-
-    def draft_layer_ids(self):
-        """(checkpoint layer index, bound implementation id) of each MTP layer this draft built."""
-        return self._layers
-
-    def new_caches(self, batch_size, max_seq_len):
-        return [
-            block.self_attn.new_cache(batch_size=batch_size, max_seq_len=max_seq_len, dtype=self.dtype, device=self.device)
-            for block in self.blocks
-        ]
-
-    def forward(self, next_token_ids, target_hidden, positions=None, cache=None, step=0):
-        """Draft step `step` runs MTP layer `step` (chained layers), then reuses them cyclically, as the reference engines do."""
-        if positions is None:
-            positions = torch.arange(next_token_ids.shape[-1], device=next_token_ids.device)
-        layer = step % len(self.blocks)
-        block = self.blocks[layer]
-        cos, sin = self.rotary_emb(positions)
-        # `cache` is this step's entry of `new_caches()` (runtime.speculative passes `caches[step % len]`).
-        hidden = block(block.embed_tokens(next_token_ids), target_hidden, positions, cos, sin, cache)
-        return block.shared_head(hidden), hidden
-
-    def to_target_ids(self, ids):
-        """The MTP head scores the target's own vocabulary."""
-        return ids
-
-    def load_checkpoint(self, path, progress=None):
-        return load_checkpoint(self, path, ignore=IGNORED_TENSORS, progress=progress, device=self.device)
-
-    def init_random(self, seed=0):
-        build.init_random(self, seed)
+        super().__init__(
+            ARCHITECTURE, RMS_NORM_EPS, target=TARGET, sm=SM, parallel=PARALLEL, layout=LAYOUT, implementations=IMPLEMENTATIONS,
+            cpu_impls=CPU_IMPLS, layers=DRAFT_LAYERS, ignored=IGNORED_TENSORS, device=device, rank=rank, dtype=dtype,
+        )
 
 
 DRAFT_CLASS = Draft

@@ -11,11 +11,8 @@ MoE draft layers (none: one dense decoder layer): the draft selection binds noth
 """
 
 import torch
-from torch import nn
 
-from runtime import build
-from runtime.checkpoint import load_checkpoint
-from runtime.ops import Eagle3Head, RotaryEmbedding
+from runtime.draft_build import Eagle3Draft
 
 from .modeling import LAYOUT, SM, TARGET
 
@@ -43,46 +40,15 @@ HEAD = {
 ROPE = {'base': 1000000.0, 'rotary_dim': 128, 'scaling': 'default'}
 
 
-class Draft(nn.Module):
-    """`forward(next_token_ids [B, S], target_hidden [B, S, 3 H_target] at step 0 (the target's AUX_LAYERS states,
-    concatenated) or the head's own hidden [B, S, H] after, positions [S], caches, step=0) -> (logits [B, S, V_draft], hidden)`."""
+class Draft(Eagle3Draft):
+    """The Eagle3 head over the target's AUX_LAYERS states: its checks, construction, forward and loading are
+    `runtime.draft_build.Eagle3Draft`'s; this class states its shape and what it reads."""
 
-    # What the speculative loop feeds `forward` (the draft interface every draft build presents).
-    INPUT = "aux_hidden"
     AUX_LAYERS = AUX_LAYERS
 
     def __init__(self, device="cpu", rank=0, dtype=torch.bfloat16):
-        super().__init__()
-        build.check_placement(TARGET + " draft", SM, device, IMPLEMENTATIONS, CPU_IMPLS, owner=self)
-        build.check_rank(TARGET + " draft", LAYOUT.world, rank)
-        self.rank, self.device, self.dtype = rank, torch.device(device), dtype
-        with torch.device(device):
-            self.head = Eagle3Head(**HEAD, dtype=dtype)
-            self.rotary_emb = RotaryEmbedding(**ROPE)
-
-    def new_caches(self, batch_size, max_seq_len):
-        attention = self.head.midlayer.self_attn
-        return [attention.new_cache(batch_size=batch_size, max_seq_len=max_seq_len, dtype=self.dtype, device=self.device)]
-
-    def forward(self, next_token_ids, target_hidden, positions=None, cache=None, step=0):
-        if positions is None:
-            positions = torch.arange(next_token_ids.shape[-1], device=next_token_ids.device)
-        cos, sin = self.rotary_emb(positions)
-        return self.head(next_token_ids, target_hidden, positions, cos, sin, cache, step)
-
-    def to_target_ids(self, ids):
-        return self.head.to_target_ids(ids)
-
-    def share_embedding(self, target):
-        """Embed with the target build's `embed_tokens` (for heads whose checkpoint ships none); call before loading."""
-        self.head.share_embedding(target.model.embed_tokens)
-
-    def load_checkpoint(self, path, progress=None):
-        # Published Eagle3 checkpoints name their tensors without the `head.` prefix this module adds.
-        return load_checkpoint(self.head, path, progress=progress, device=self.device)
-
-    def init_random(self, seed=0):
-        build.init_random(self.head, seed)
+        super().__init__(HEAD, ROPE, target=TARGET, sm=SM, layout=LAYOUT, implementations=IMPLEMENTATIONS, cpu_impls=CPU_IMPLS,
+                         device=device, rank=rank, dtype=dtype)
 
 
 DRAFT_CLASS = Draft

@@ -21,6 +21,7 @@ from runtime.ops import GQAttention, MoEBlock, RMSNorm, RotaryEmbedding
 from runtime.parallel import Layout
 from runtime.routing import SoftmaxTopKRouter
 from runtime.experts.torch_grouped import TorchGroupedMmBf16Experts
+from runtime.draft_build import TokenDraft
 
 MODEL = 'tiny_kimi_k3'
 FAMILY = 'qwen3_moe'
@@ -152,19 +153,9 @@ DRAFT_LAYERS = (
 )
 
 
-class Draft(TinyKimiK3DrafterForCausalLM):
-    """The external drafter: the drafter's own causal LM (`forward(input_ids, positions, caches) -> logits`).
-
-    It reads only its own tokens (`INPUT`) and shares the target's vocabulary (checked when the declaration
-    loaded). `load_model` hands it to the speculative loop through `runtime.speculative.ExternalDrafter`,
-    which holds the prompt's first token too (the draft interface's entry `i` is its position `i + 1`).
-    """
-
-    # What the speculative loop feeds it (the draft interface every draft build presents).
-    INPUT = "tokens"
-
-    def to_target_ids(self, ids):
-        return ids
+class Draft(TokenDraft, TinyKimiK3DrafterForCausalLM):
+    """The external drafter: the drafter's own causal LM (`forward(input_ids, positions, caches) -> logits`),
+    presented as a draft that reads only tokens (`runtime.draft_build.TokenDraft`)."""
 
 
 DRAFT_CLASS = Draft

@@ -1,0 +1,170 @@
+"""The scaffold every generated `draft.py` extends: its placement and rank checks, layout, loading and random init (`DraftBuild`), and each draft kind's module.
+
+A generated `draft.py` states what is particular to its draft (its target, SM and layout, the bound
+implementations, its layer table, the tensors it does not read) and passes them here; the draft kinds
+present the interface of `runtime.drafts` (RULES SD2): `MTPDraft` (embedded or replacement-head MTP
+layers built from the target file's layer builders), `Eagle3Draft` (an Eagle3 head), and `TokenDraft`
+(an external drafter: a whole causal-LM build fed only tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from runtime import build
+from runtime.causal_lm import Architecture
+from runtime.checkpoint import load_checkpoint
+from runtime.ops import Eagle3Head, MTPBlock, RotaryEmbedding, VocabEmbedding
+from runtime.parallel import Layout, attach_layout
+
+
+class DraftBuild(nn.Module):
+    """A draft of `target` on `device` as rank `rank` of `layout`: refuses a device or a rank it does not
+    run on (named `<target> draft` in messages); with `parallel`, joins the layout's process groups as its
+    target's modeling.py does. `implementations`/`cpu_impls` are what the draft binds (id -> (experts
+    class, backend family)) and those that also run on the host CPU; `ignored`: the checkpoint tensors it
+    does not read (fnmatch patterns)."""
+
+    def __init__(self, *, target: str, sm: int, layout: Layout, implementations: dict, cpu_impls: Sequence[str],
+                 parallel: str | None = None, ignored: Sequence[str] = (), device="cpu", rank: int = 0,
+                 dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        name = target + " draft"
+        build.check_placement(name, sm, device, implementations, tuple(cpu_impls), owner=self)
+        if parallel is not None:
+            # The draft runs on its target's ranks and layout: the same world checks as modeling.py's.
+            attach_layout(self, name, parallel, layout, rank)
+        build.check_rank(name, layout.world, rank)
+        self.ignored_tensors = tuple(ignored)
+        self.rank, self.device, self.dtype = rank, torch.device(device), dtype
+
+    def weights(self) -> nn.Module:
+        """The module whose tensor names are the checkpoint's (the draft itself unless a kind says otherwise)."""
+        return self
+
+    def load_checkpoint(self, path, progress=None):
+        """Read this rank's draft weights from a checkpoint folder (a failed load changes nothing)."""
+        return load_checkpoint(self.weights(), path, ignore=self.ignored_tensors, progress=progress, device=self.device)
+
+    def init_random(self, seed=0):
+        """Fresh seeded random weights (never zeros), for runs without a checkpoint."""
+        build.init_random(self.weights(), seed)
+
+
+def _positions(next_token_ids, positions):
+    return torch.arange(next_token_ids.shape[-1], device=next_token_ids.device) if positions is None else positions
+
+
+class MTPDraft(DraftBuild):
+    """MTP layers (embedded in the target's checkpoint, or a replacement head), each named as the
+    checkpoint's `model.layers.<index>`: `x = eh_proj(cat([enorm(embed(token[t+1])), hnorm(h[t])]))`, the
+    target family's decoder layer (`arch.make_layer`), `shared_head` for the logits, its own embedding copy.
+
+    `forward(next_token_ids [B, S], target_hidden [B, S, H], positions [S], cache, step=0) -> (logits, hidden)`:
+    `target_hidden` is the target's `hidden_states(...)` of the previous positions, after its final norm,
+    as the reference engines pass it. `layers`: (checkpoint layer index, bound implementation id) per MTP layer.
+    """
+
+    # What the speculative loop feeds `forward` (the draft interface every draft build presents).
+    INPUT = "hidden"
+
+    def __init__(self, arch: Architecture, rms_norm_eps: float, *, layers, layout: Layout, implementations: dict,
+                 rank: int = 0, dtype: torch.dtype = torch.bfloat16, device="cpu", **scaffold):
+        super().__init__(layout=layout, implementations=implementations, device=device, rank=rank, dtype=dtype, **scaffold)
+        self.layout, self._layers = layout, tuple(layers)
+        with torch.device(device):
+            self.model = nn.Module()
+            self.model.layers = nn.ModuleDict(
+                {str(i): _mtp_layer(arch, rms_norm_eps, i, implementations[impl][0], layout, rank, dtype) for i, impl in layers}
+            )
+            self.rotary_emb = arch.make_rotary()
+        self.blocks = tuple(self.model.layers[str(i)] for i, _ in layers)
+        build.log_implementations(implementations)
+
+    def draft_layer_ids(self):
+        """(checkpoint layer index, bound implementation id) of each MTP layer this draft built."""
+        return self._layers
+
+    def new_caches(self, batch_size, max_seq_len):
+        return [
+            block.self_attn.new_cache(batch_size=batch_size, max_seq_len=max_seq_len, dtype=self.dtype, device=self.device)
+            for block in self.blocks
+        ]
+
+    def forward(self, next_token_ids, target_hidden, positions=None, cache=None, step=0):
+        """Draft step `step` runs MTP layer `step` (chained layers), then reuses them cyclically, as the reference engines do."""
+        positions = _positions(next_token_ids, positions)
+        block = self.blocks[step % len(self.blocks)]
+        cos, sin = self.rotary_emb(positions)
+        # `cache` is this step's entry of `new_caches()` (runtime.speculative passes `caches[step % len]`).
+        hidden = block(block.embed_tokens(next_token_ids), target_hidden, positions, cos, sin, cache)
+        return block.shared_head(hidden), hidden
+
+    def to_target_ids(self, ids):
+        """The MTP head scores the target's own vocabulary."""
+        return ids
+
+
+def _mtp_layer(arch: Architecture, rms_norm_eps, index, experts_cls, layout, rank, dtype):
+    """One MTP block named as the checkpoint's `model.layers.<index>`, with its own embedding copy."""
+    tp_rank = layout.tp_rank(rank)
+    block = MTPBlock(
+        hidden_size=arch.hidden_size, vocab_size=arch.vocab_size, rms_norm_eps=rms_norm_eps,
+        decoder_layer=arch.make_layer(index, experts_cls, layout, rank, dtype), tp_rank=tp_rank, tp_size=layout.tp, dtype=dtype,
+    )
+    block.add_module("embed_tokens", VocabEmbedding(
+        vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, tp_rank=tp_rank, tp_size=layout.tp, dtype=dtype))
+    return block
+
+
+class Eagle3Draft(DraftBuild):
+    """An Eagle3 head (`runtime.ops.eagle3`) of shape `head` with its layer's rotary `rope`.
+
+    `forward(next_token_ids [B, S], target_hidden [B, S, 3 H_target] at step 0 (the target's AUX_LAYERS states,
+    concatenated) or the head's own hidden [B, S, H] after, positions [S], caches, step=0) -> (logits [B, S, V_draft], hidden)`.
+    Published Eagle3 checkpoints name their tensors without the `head.` prefix this module adds.
+    """
+
+    # What the speculative loop feeds `forward` (the draft interface every draft build presents).
+    INPUT = "aux_hidden"
+
+    def __init__(self, head: dict, rope: dict, *, device="cpu", dtype: torch.dtype = torch.bfloat16, **scaffold):
+        super().__init__(device=device, dtype=dtype, **scaffold)
+        with torch.device(device):
+            self.head = Eagle3Head(**head, dtype=dtype)
+            self.rotary_emb = RotaryEmbedding(**rope)
+
+    def weights(self) -> nn.Module:
+        return self.head
+
+    def new_caches(self, batch_size, max_seq_len):
+        attention = self.head.midlayer.self_attn
+        return [attention.new_cache(batch_size=batch_size, max_seq_len=max_seq_len, dtype=self.dtype, device=self.device)]
+
+    def forward(self, next_token_ids, target_hidden, positions=None, cache=None, step=0):
+        positions = _positions(next_token_ids, positions)
+        cos, sin = self.rotary_emb(positions)
+        return self.head(next_token_ids, target_hidden, positions, cos, sin, cache, step)
+
+    def to_target_ids(self, ids):
+        return self.head.to_target_ids(ids)
+
+    def share_embedding(self, target):
+        """Embed with the target build's `embed_tokens` (for heads whose checkpoint ships none); call before loading."""
+        self.head.share_embedding(target.model.embed_tokens)
+
+
+class TokenDraft:
+    """Mixed into an external drafter's causal-LM build: it reads only its own tokens (`INPUT`) and shares the
+    target's vocabulary (checked when the declaration loaded). `load_model` hands it to the speculative loop
+    through `runtime.drafts.ExternalDrafter`, which holds the prompt's first token too (the draft interface's
+    entry `i` is its position `i + 1`)."""
+
+    # What the speculative loop feeds it (the draft interface every draft build presents).
+    INPUT = "tokens"
+
+    def to_target_ids(self, ids):
+        return ids
