@@ -61,7 +61,7 @@ class Draft(nn.Module):
         # draft layers under the draft's own selection (DR1, DR2).
         built = resolve_build(FACTS, PROFILES, checkpoint, sm, parallel, NUM_TARGET_LAYERS, selection)
         layers, used = built.draft_layers, {impl for _, impl in built.draft_layers}
-        implementations = {i: (build.load_class(path), family) for i, (path, family) in built.implementations.items() if i in used}
+        implementations = {i: (build.load_class(path), backend) for i, (path, backend) in built.implementations.items() if i in used}
         layout = Layout(*built.layout)
         build.check_placement(TARGET + " draft", sm, device, implementations, built.cpu_impls, owner=self)
         attach_layout(self, TARGET + " draft", parallel, layout, rank)
