@@ -133,7 +133,7 @@ def save_checkpoint(model: str, layers: int, folder: Path, device: str = "cuda")
 def load_build(model: str, sm: int, layers: int, folder: Path, variant: str, device: str = "cuda"):
     """`variant`: specialized (mode require), generic (mode off), torch (generic, backend TORCH)."""
     from generated import load_model
-    from generated._router_index import INDEX
+    from generated._build_index import INDEX
 
     # The generated builds know the model's full layer plan; this run loads its first `layers` layers.
     spec = importlib.import_module(INDEX["models"][model]["generic"], "generated")

@@ -11,10 +11,10 @@ zeros; uniform routing (random logits) and skewed routing (a fixed Zipf-like bia
 scales), filled straight on the GPU.
 
 Peers, in the same process: `torch_pipeline` (sort-based permutation, torch._grouped_mm for both
-GEMMs, fp32 activation and combine: the TORCH family made capturable), transformers' own
+GEMMs, fp32 activation and combine: the TORCH backend made capturable), transformers' own
 `grouped_mm` and `batched_mm` experts functions, an eager per-expert loop (T <= 64, host syncs
 included) and, for the FP8 formats, a `torch._scaled_grouped_mm` pipeline with rowwise scales. The
-bf16 peers stand for every format: the TORCH family dequantizes at load and runs exactly that.
+bf16 peers stand for every format: the TORCH backend dequantizes at load and runs exactly that.
 
 Ceilings, re-measured here: a 2 GiB device-to-device copy (bytes read + written) and 8192^3 bf16 and
 FP8 matrix products. T_lb = max(weight bytes of the active experts / copy bandwidth, useful FLOPs /

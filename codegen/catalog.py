@@ -35,13 +35,13 @@ def render_catalog(registry: Registry) -> str:
         "",
         "Every registered implementation in global priority order: `AUTO` asks them top to bottom and the",
         "first eligible one serves a layer (RULES RQ3, LR1). Pin one with `moe_config.tactic` set to its",
-        "shortest tactic, or select a family with `moe_config.backend` (RULES TA, RQ).",
+        "shortest tactic, or select a backend with `moe_config.backend` (RULES TA, RQ).",
         "",
         "`SMs` are the GPUs an implementation is built for; `verified on` those of them where its tests",
         "have passed (the others are claimed, never run). `weights` says where quantized weights are",
         "dequantized.",
         "",
-        "| priority | id | shortest tactic | family | format | SMs | verified on | host CPU | weights | capabilities | shape constraints | runtime class |",
+        "| priority | id | shortest tactic | backend | format | SMs | verified on | host CPU | weights | capabilities | shape constraints | runtime class |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for impl in registry.impls:
@@ -49,20 +49,20 @@ def render_catalog(registry: Registry) -> str:
         verified = ", ".join(str(s) for s in sorted(impl.verified_sms)) or "no GPU"
         cons = f"hidden % {impl.constraints.hidden_multiple}, intermediate shard % {impl.constraints.intermediate_multiple}"
         lines.append(
-            f"| {impl.priority} | `{impl.id}` | `{shortest_query(impl.id, registry)}` | {impl.family} | {impl.format} "
+            f"| {impl.priority} | `{impl.id}` | `{shortest_query(impl.id, registry)}` | {impl.backend} | {impl.format} "
             f"| {sms} | {verified} | {'yes' if impl.cpu else 'no'} | {_cell(impl.weights_text)} | {_caps(impl)} | {cons} "
             f"| `{impl.class_path}` |"
         )
     lines += ["", "## Backend literals (`moe_config.backend`)", "", "| literal | meaning |", "|---|---|"]
     lines.append(f"| `{AUTO}` | every implementation in priority order (a preference, not a pin) |")
-    for family in registry.families:
-        if family.fallback:
-            how = "its implementations; it is the fallback of the other families"
-        elif family.never_degrades:
+    for backend in registry.backends:
+        if backend.fallback:
+            how = "its implementations; it is the fallback of the other backends"
+        elif backend.never_degrades:
             how = "its implementations only: it never degrades"
         else:
-            how = f"its implementations, then the fallback family {registry.fallback_family}"
-        lines.append(f"| `{family.name}` | {_cell(family.doc)} Requests {how}. |")
+            how = f"its implementations, then the fallback backend {registry.fallback_backend}"
+        lines.append(f"| `{backend.name}` | {_cell(backend.doc)} Requests {how}. |")
     lines += ["", "## MXFP4 run formats per SM (RULES FN2)", "", "| SM | most preferred first |", "|---|---|"]
     for sm, formats in registry.mxfp4_run_formats:
         lines.append(f"| sm_{sm} | {', '.join(formats)} |")

@@ -60,7 +60,7 @@ class Claims:
     """What a build file must say, computed from its plan and the registry (never from the template).
 
     `honored`/`draft_honored` are the literals `MOE_IMPLS_HONORED`/`DRAFT_MOE_IMPLS_HONORED` must hold;
-    `implementations` maps each bound id to (experts class name, family); `experts` maps each bound
+    `implementations` maps each bound id to (experts class name, backend); `experts` maps each bound
     class's module to the class names the file must import from it, and nothing else from
     `runtime.experts`; `layers` is `LAYERS` (modeling.py: runs `(range(start, stop), id)`), `draft_layers`
     is `DRAFT_LAYERS` (draft.py).
@@ -82,7 +82,7 @@ def claims_for_modeling(plan, registry) -> Claims:
         kind=SPECIALIZED,
         honored=plan.moe_impls_honored,
         draft_honored=plan.draft_moe_impls_honored,
-        implementations={i: (registry.impl(i).class_name, registry.impl(i).family) for i in ids},
+        implementations={i: (registry.impl(i).class_name, registry.impl(i).backend) for i in ids},
         experts=_experts(ids, registry),
         layers=tuple((range(r.start, r.stop), r.impl) for r in layer_runs(plan.layers)),
     )
@@ -94,7 +94,7 @@ def claims_for_draft(plan, registry) -> Claims:
     return Claims(
         kind=DRAFT,
         draft_honored=plan.draft_moe_impls_honored,
-        implementations={i: (registry.impl(i).class_name, registry.impl(i).family) for i in ids},
+        implementations={i: (registry.impl(i).class_name, registry.impl(i).backend) for i in ids},
         experts=_experts(ids, registry),
         draft_layers=tuple((l.index, l.impl) for l in plan.draft.layers),
     )

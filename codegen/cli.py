@@ -16,7 +16,7 @@ from registry.errors import MoegenError, NotHonoredError
 def _selection_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("selection (RULES TA, RQ, DR)")
     group.add_argument("--config", type=Path, help="a deployment selection file (.toml or .json); flags override it")
-    group.add_argument("--backend", help="moe_config.backend: AUTO or a family literal (TORCH, VANILLA, ...)")
+    group.add_argument("--backend", help="moe_config.backend: AUTO or a backend literal (TORCH, VANILLA, ...)")
     group.add_argument("--tactic", help="moe_config.tactic: pins implementations, e.g. grouped_mm.bf16")
     group.add_argument("--eplb", action="store_true", help="per-layer dynamic EPLB")
     group.add_argument("--spec-mode", help="speculative_config.mode: mtp, eagle3, draft_target, dspark, ngram, prompt_lookup")

@@ -113,7 +113,7 @@ def _report_lines(report: LayerReport) -> list[str]:
         f"  {kind} layers {span(report.layers)}: checkpoint {report.checkpoint_format} ({report.format_source}), "
         f"runs {report.run_format} ({report.run_format_source})",
         f"    request {report.requested} ({report.field})",
-        f"    -> {report.winner}  {report.family}, {report.selected_by}",
+        f"    -> {report.winner}  {report.backend}, {report.selected_by}",
         f"       weights: {report.weights}",
         f"       {report.verification}",
         f"       also eligible: {', '.join(report.alternatives) or 'none'}",

@@ -218,7 +218,7 @@ def _suggested_target(decl: Declaration) -> list[str]:
         formats = set()
         for site in sites:
             formats |= set(registry.mxfp4_preference(90) or ()) if site.format.format == "mxfp4" else {site.format.format}
-        return sorted(str(i.id) for i in registry.impls if i.family == "TORCH" and i.cpu and i.runs_on(90) and i.format in formats)
+        return sorted(str(i.id) for i in registry.impls if i.backend == "TORCH" and i.cpu and i.runs_on(90) and i.format in formats)
 
     lines = ["", "# No targets yet: add one per deployment. This one runs on the host CPU too (TORCH does; the CUPY",
              "# kernels are sm_90 GPU only), as `load_model(..., moe_config={\"backend\": \"TORCH\"})` asks:",

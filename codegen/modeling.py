@@ -66,7 +66,7 @@ def _summary(plan: BuildPlan) -> list[str]:
         kind = ROLE_NAMES[report["role"]]
         lines.append(
             f"MoE {kind} layers {span(tuple(report['layers']))} ({report['run_format']}): {report['winner']} "
-            f"({report['family']}, {report['selected_by']})."
+            f"({report['backend']}, {report['selected_by']})."
         )
         lines.append(f"  Weights {report['weights']}; {report['verification']}.")
     return lines
@@ -99,7 +99,7 @@ def _context(decl: Declaration, plan: BuildPlan, registry: Registry, generic: bo
         ops_imports=sorted(ops, key=lambda name: (name[0].islower(), name)),
         router_class=spec.router,
         experts_imports=sorted((m, sorted(set(n))) for m, n in imports.items()),
-        implementations=[(i, registry.impl(i).class_name, registry.impl(i).family) for i in impls],
+        implementations=[(i, registry.impl(i).class_name, registry.impl(i).backend) for i in impls],
         cpu_impls=tuple(i for i in impls if registry.impl(i).cpu),
         honored=_constant(plan.moe_impls_honored),
         draft_honored=_constant(plan.draft_moe_impls_honored),
@@ -163,7 +163,7 @@ def render_draft(decl: Declaration, plan: BuildPlan, registry: Registry, command
         "draft_mtp.py.j2", f"{plan.model}/{plan.target}/draft.py", command, plan.fingerprint, f"Draft of {plan.target}.",
         plan=plan, draft=draft, summary=summary, generic=False,
         experts_imports=sorted((m, sorted(set(n))) for m, n in imports.items()),
-        implementations=[(i, registry.impl(i).class_name, registry.impl(i).family) for i in impls],
+        implementations=[(i, registry.impl(i).class_name, registry.impl(i).backend) for i in impls],
         cpu_impls=tuple(i for i in impls if registry.impl(i).cpu),
     )
 

@@ -72,7 +72,7 @@ def generic_draft_modes(decls) -> dict[str, tuple[str, tuple[str, ...]]]:
 
 
 def model_outputs(decl: Declaration, generic: BuildPlan, registry: Registry, extra: str = "") -> list[Output]:
-    """Per model: its package, its facts (read by the router and the generic build), its generic build."""
+    """Per model: its package, its facts (read by the build index and the generic build), its generic build."""
     from codegen.modeling import generic_draft, render_generic, render_generic_draft
 
     name = decl.model.name
@@ -96,7 +96,7 @@ def model_outputs(decl: Declaration, generic: BuildPlan, registry: Registry, ext
 
 def index_outputs(models: list[str], plans: list[BuildPlan], command: str = ALL_COMMAND,
                   generic_drafts: dict[str, tuple[str, tuple[str, ...]]] | None = None) -> list[Output]:
-    """The root package: the router index of the builds in this root, and the shims of `load_model` and `run`.
+    """The root package: the build index of the builds in this root, and the shims of `load_model` and `run`.
 
     `generic_drafts`: model -> (draft kind, the speculative modes) of its generic build's `draft.py`."""
     drafts = generic_drafts or {}
@@ -107,12 +107,12 @@ def index_outputs(models: list[str], plans: list[BuildPlan], command: str = ALL_
                for m in sorted(models)]
     return [
         # The index: every entry it lists (changes when what a build binds or honors does).
-        Output("_router_index.py", render_python("router_index.py.j2", "_router_index.py", command, fingerprint(entries, targets),
-                                                 "The router's index of every build in this package.", models=entries, targets=targets),
+        Output("_build_index.py", render_python("build_index.py.j2", "_build_index.py", command, fingerprint(entries, targets),
+                                                 "The build index of every build in this package.", models=entries, targets=targets),
                DATA_CLAIMS),
         # The shims: their logic is serving's; their text depends on nothing.
         Output("__init__.py", render_python("generated_init.py.j2", "__init__.py", command, None,
-                                            "load_model: the router over the builds in this package (serving.load)."), ROOT_CLAIMS),
+                                            "load_model: picks among the builds in this package through the build index (serving.load)."), ROOT_CLAIMS),
         Output("run.py", render_python("run.py.j2", "run.py", command, None,
                                        "The launcher: python -m generated.run (serving.run)."), ROOT_CLAIMS),
     ]

@@ -83,7 +83,7 @@ class BuildPlan:
     resolution: dict
     bound: tuple = ()
     facts: dict = field(default_factory=dict)   # generic builds: facts per checkpoint
-    # What a build's files read of each bound implementation's registry entry: id -> (class, backend family, runs on the CPU).
+    # What a build's files read of each bound implementation's registry entry: id -> (class, backend, runs on the CPU).
     bindings: dict = field(default_factory=dict)
 
     def canonical(self) -> str:
@@ -206,7 +206,7 @@ def target_plan(decl: Declaration, target: TargetDecl, selection: Selection | No
         draft_moe_impls_honored=target.honored(draft=True).literal(),
         resolution=resolution_dict(resolution),
         bound=tuple(bound_layers(resolution)),
-        bindings={i: (registry.impl(i).class_path, registry.impl(i).family, registry.impl(i).cpu)
+        bindings={i: (registry.impl(i).class_path, registry.impl(i).backend, registry.impl(i).cpu)
                   for i in sorted({r.winner for r in resolution.reports if r.winner})},
     )
     return plan, resolution

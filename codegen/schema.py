@@ -88,7 +88,7 @@ TRUTHY = {"anyOf": [{"const": True}, {"const": 1}, {"type": "string", "pattern":
 def render_schema(registry: Registry) -> str:
     tokens = registry.token_field
     eplb_impls = tuple(i for i in registry.impls if i.capabilities.dynamic_eplb)
-    eplb_literals = ([AUTO] if eplb_impls else []) + sorted({i.family for i in eplb_impls})
+    eplb_literals = ([AUTO] if eplb_impls else []) + sorted({i.backend for i in eplb_impls})
     tactic = {"type": "string", "pattern": tactic_pattern(registry.impls, tokens)}
     auto_only = {"type": "string", "pattern": _literal_pattern([AUTO])}
     moe_fields = MoeConfig.model_fields

@@ -308,14 +308,14 @@ class _Checker:
             try:
                 key = ast.literal_eval(self.module.code_for_node(element.key))
                 ok = isinstance(value, libcst.Tuple) and len(value.elements) == 2 and isinstance(value.elements[0].value, libcst.Name)
-                family = ast.literal_eval(self.module.code_for_node(value.elements[1].value)) if ok else None
+                backend = ast.literal_eval(self.module.code_for_node(value.elements[1].value)) if ok else None
             except (ValueError, SyntaxError):
                 ok = False
             if not ok:
-                self.fail(element, claim, "each entry reads 'id': (ExpertsClass, 'FAMILY')")
+                self.fail(element, claim, "each entry reads 'id': (ExpertsClass, 'BACKEND')")
             if key in got:
                 self.fail(element, claim, f"{key!r} is listed twice")
-            got[key] = (value.elements[0].value.value, family)
+            got[key] = (value.elements[0].value.value, backend)
         if got != self.claims.implementations:
             self.fail(node, claim, f"it binds {_describe_impls(got)}; the plan binds {_describe_impls(self.claims.implementations)}")
 

@@ -1,6 +1,6 @@
 """The build index: pick the build that serves a deployment, a target's specialized build or the model's generic build.
 
-Pure: it reads the generated index's literals (`_router_index.py`) and the resolution code, so
+Pure: it reads the generated index's literals (`_build_index.py`) and the resolution code, so
 `generated.load_model` decides (and `explain` narrates) without importing torch (RULES TG5, TG6). `decide` is the one
 decision: a specialized build is pre-bound, so it serves only a selection it claims, resolves to
 exactly the implementations it was built with, and whose speculative mode finds its draft in it;

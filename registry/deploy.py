@@ -31,7 +31,7 @@ class MoeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    backend: str = Field(default=AUTO, description="AUTO or a backend family literal (TORCH, VANILLA, ...).")
+    backend: str = Field(default=AUTO, description="AUTO or a backend literal (TORCH, VANILLA, ...).")
     tactic: str | None = Field(
         default=None,
         description="A dotted subset of provider.technique.kernel_name.quant naming the implementations to pin; "

@@ -66,9 +66,9 @@ def _draft_request(selection: Selection, balanced: bool, registry: Registry, out
 
 def _check_vanilla_with_target(facts: ModelFacts, draft: str, target_reports, draft_reports, registry: Registry) -> None:
     """DR5: the embedded MTP runs VANILLA exactly when the target does."""
-    never = {f.name for f in registry.families if f.never_degrades}
-    target_vanilla = any(r.family in never for r in target_reports if r.role == "target")
-    draft_vanilla = any(r.family in never for r in draft_reports)
+    never = {b.name for b in registry.backends if b.never_degrades}
+    target_vanilla = any(r.backend in never for r in target_reports if r.role == "target")
+    draft_vanilla = any(r.backend in never for r in draft_reports)
     if target_vanilla != draft_vanilla:
         t = ", ".join(sorted({r.winner for r in target_reports if r.role == "target"}))
         d = ", ".join(sorted({r.winner for r in draft_reports}))

@@ -90,16 +90,16 @@ def expert_format(
 def publishes(impl: Impl, candidates: tuple[Impl, ...], sm: int, registry: Registry) -> bool:
     """Whether an implementation's format counts as published for FN2 on this SM.
 
-    A family that never degrades (VANILLA) counts only when the request holds nothing else, so an
+    A backend that never degrades (VANILLA) counts only when the request holds nothing else, so an
     emulation never picks the run format; an implementation publishes only on SMs it runs on.
     """
     if not impl.runs_on(sm):
         return False
-    if registry.family(impl.family).never_degrades:
+    if registry.backend(impl.backend).never_degrades:
         # "Nothing else" means nothing else that runs on this SM: a candidate that cannot run here
         # publishes nothing, so it must not silence the reference either (else AUTO on sm_80, where no
         # TORCH implementation runs, would refuse every MXFP4 checkpoint under FN2).
-        return all(registry.family(c.family).never_degrades for c in candidates if c.runs_on(sm))
+        return all(registry.backend(c.backend).never_degrades for c in candidates if c.runs_on(sm))
     return True
 
 
@@ -138,16 +138,16 @@ def _passed_over(fmt: str, candidates: tuple[Impl, ...], sm: int, registry: Regi
     earlier = preference[:preference.index(fmt)]
     if not earlier:
         return ""
-    runners = {f: sorted({c.family for c in candidates if c.format == f and c.runs_on(sm)}) for f in earlier}
+    runners = {f: sorted({c.backend for c in candidates if c.format == f and c.runs_on(sm)}) for f in earlier}
     emulated = tuple(f for f in earlier if runners[f])
     absent = tuple(f for f in earlier if not runners[f])
     verb = "comes" if len(earlier) == 1 else "come"
     pronoun = "it" if len(earlier) == 1 else "them"
     parts = []
     if emulated:
-        families = ", ".join(sorted({family for f in emulated for family in runners[f]}))
+        backends = ", ".join(sorted({backend for f in emulated for backend in runners[f]}))
         which = pronoun if emulated == earlier else ", ".join(emulated)
-        parts.append(f"on sm_{sm} only {families} runs {which}, and a reference counts only alone")
+        parts.append(f"on sm_{sm} only {backends} runs {which}, and a reference counts only alone")
     if absent:
         which = pronoun if absent == earlier else ", ".join(absent)
         parts.append(f"no implementation of the request runs {which} on sm_{sm}")

@@ -22,7 +22,7 @@ class GenericBuild:
     layout: tuple[int, int, int, int]               # tp, moe_tp, ep, dp
     layers: tuple[str | None, ...]                  # per decoder layer: bound id, None = dense
     draft_layers: tuple[tuple[int, str], ...]       # (layer index, bound id) of the draft's MoE layers
-    implementations: dict[str, tuple[str, str]]     # id -> (class path, family)
+    implementations: dict[str, tuple[str, str]]     # id -> (class path, backend)
     cpu_impls: tuple[str, ...]
     resolution: ModelResolution
 
@@ -44,6 +44,6 @@ def resolve_build(facts_by_checkpoint: dict, profiles: dict, checkpoint: str, sm
             else:
                 layers[i] = report.winner
     ids = {r.winner for r in resolution.reports}
-    implementations = {i: (registry.impl(i).class_path, registry.impl(i).family) for i in sorted(ids)}
+    implementations = {i: (registry.impl(i).class_path, registry.impl(i).backend) for i in sorted(ids)}
     cpu = tuple(i for i in sorted(ids) if registry.impl(i).cpu)
     return GenericBuild(layout.as_tuple(), tuple(layers), tuple(sorted(draft)), implementations, cpu, resolution)

@@ -29,7 +29,8 @@ _CAPABILITY_KEYS = (
     "moe_tensor_parallel",
 )
 _CONSTRAINT_KEYS = ("hidden_multiple", "intermediate_multiple")
-_IMPL_KEYS = {"id", "family", "priority", "sms", "verified_sms", "cpu", "class", "doc", "weights", "capabilities", "constraints"}
+_TABLES = ("backends", "impl", "mxfp4_run_formats")
+_IMPL_KEYS = {"id", "backend", "priority", "sms", "verified_sms", "cpu", "class", "doc", "weights", "capabilities", "constraints"}
 # Where an implementation's weights are dequantized (`weights`), as the catalog, the build docstrings
 # and `explain` say it. "none" is the bf16 implementations' value and theirs alone.
 WEIGHTS = {
@@ -40,7 +41,7 @@ WEIGHTS = {
     "in_kernel": "kept quantized, decoded in registers by the GEMM kernel",
 }
 _CLASS_PATH_RE = re.compile(r"^[a-z_][a-z0-9_]*(\.[a-z_][a-z0-9_]*)*:[A-Z][A-Za-z0-9]*$")
-_FAMILY_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")
+_BACKEND_RE = re.compile(r"^[A-Z][A-Z0-9_]*$")
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class Impl:
     """One registered implementation (RULES ID4)."""
 
     id: ImplId
-    family: str
+    backend: str
     priority: int
     sms: frozenset[int]
     verified_sms: frozenset[int]   # the SMs its tests have passed on: a subset of `sms`
@@ -103,7 +104,7 @@ class Impl:
 
 
 @dataclass(frozen=True)
-class Family:
+class Backend:
     name: str
     doc: str
     fallback: bool
@@ -112,10 +113,10 @@ class Family:
 
 @dataclass(frozen=True)
 class Registry:
-    """Every implementation in global priority order, the families, and the FN2 preference table."""
+    """Every implementation in global priority order, the backends, and the FN2 preference table."""
 
     impls: tuple[Impl, ...]
-    families: tuple[Family, ...]
+    backends: tuple[Backend, ...]
     mxfp4_run_formats: tuple[tuple[int, tuple[str, ...]], ...]
     source: str
 
@@ -133,20 +134,20 @@ class Registry:
         return table
 
     @functools.cached_property
-    def family_names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in self.families)
+    def backend_names(self) -> tuple[str, ...]:
+        return tuple(b.name for b in self.backends)
 
     @property
     def literals(self) -> tuple[str, ...]:
-        """The backend literals a selection may name: AUTO, then the families."""
-        return (AUTO,) + self.family_names
+        """The backend literals a selection may name: AUTO, then the backends."""
+        return (AUTO,) + self.backend_names
 
     @functools.cached_property
-    def fallback_family(self) -> str:
-        return next(f.name for f in self.families if f.fallback)
+    def fallback_backend(self) -> str:
+        return next(b.name for b in self.backends if b.fallback)
 
-    def family(self, name: str) -> Family:
-        return next(f for f in self.families if f.name == name)
+    def backend(self, name: str) -> Backend:
+        return next(b for b in self.backends if b.name == name)
 
     def impl(self, impl_id: str) -> Impl:
         return self.by_id[impl_id]
@@ -161,18 +162,21 @@ def load_registry_text(text: str, source: str = "registry/impls.toml") -> Regist
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise RegistryError(f"{source}: not valid TOML: {exc}") from None
-    families = tuple(_family(source, name, body) for name, body in sorted(data.get("families", {}).items()))
-    if sum(f.fallback for f in families) != 1:
-        raise RegistryError(f"{source}: exactly one family must declare fallback = true")
-    family_names = {f.name for f in families}
-    impls = [_impl(source, n, body, family_names) for n, body in enumerate(data.get("impl", []))]
+    unknown = sorted(set(data) - set(_TABLES))
+    if unknown:
+        raise RegistryError(f"{source}: unknown tables {unknown}; a registry holds {list(_TABLES)}")
+    backends = tuple(_backend(source, name, body) for name, body in sorted(data.get("backends", {}).items()))
+    if sum(b.fallback for b in backends) != 1:
+        raise RegistryError(f"{source}: exactly one backend must declare fallback = true")
+    backend_names = {b.name for b in backends}
+    impls = [_impl(source, n, body, backend_names) for n, body in enumerate(data.get("impl", []))]
     if not impls:
         raise RegistryError(f"{source}: declares no [[impl]] entries")
     impls.sort(key=lambda i: i.priority)
     _check_unique(source, impls)
     _check_tokens_disjoint(source, impls)
     table = _mxfp4_table(source, data.get("mxfp4_run_formats", {}))
-    return Registry(impls=tuple(impls), families=families, mxfp4_run_formats=table, source=source)
+    return Registry(impls=tuple(impls), backends=backends, mxfp4_run_formats=table, source=source)
 
 
 @functools.lru_cache(maxsize=None)
@@ -183,10 +187,10 @@ def load_registry(path: str | None = None) -> Registry:
     return load_registry_text(target.read_text(encoding="utf-8"), source)
 
 
-def _family(source: str, name: str, body: dict) -> Family:
-    where = f"{source}: family {name}"
-    if not _FAMILY_RE.match(name) or name == AUTO:
-        raise RegistryError(f"{where}: a family name is an upper-case backend literal other than AUTO (RULES ID4)")
+def _backend(source: str, name: str, body: dict) -> Backend:
+    where = f"{source}: backend {name}"
+    if not _BACKEND_RE.match(name) or name == AUTO:
+        raise RegistryError(f"{where}: a backend name is an upper-case literal other than AUTO (RULES ID4)")
     unknown = set(body) - {"doc", "fallback", "never_degrades"}
     if unknown:
         raise RegistryError(f"{where}: unknown keys {sorted(unknown)}")
@@ -195,7 +199,7 @@ def _family(source: str, name: str, body: dict) -> Family:
         raise RegistryError(f"{where}: doc must be one non-empty line")
     for flag in ("fallback", "never_degrades"):
         _check_bool(where, flag, body.get(flag, False))
-    return Family(name, doc, body.get("fallback", False), body.get("never_degrades", False))
+    return Backend(name, doc, body.get("fallback", False), body.get("never_degrades", False))
 
 
 def _check_bool(where: str, key: str, value) -> None:
@@ -204,7 +208,7 @@ def _check_bool(where: str, key: str, value) -> None:
         raise RegistryError(f"{where}: {key} must be true or false, not {value!r}")
 
 
-def _impl(source: str, index: int, body: dict, families: set[str]) -> Impl:
+def _impl(source: str, index: int, body: dict, backends: set[str]) -> Impl:
     where = f"{source}: impl #{index + 1} ({body.get('id', '?')})"
     missing = _IMPL_KEYS - set(body)
     unknown = set(body) - _IMPL_KEYS
@@ -213,7 +217,7 @@ def _impl(source: str, index: int, body: dict, families: set[str]) -> Impl:
         parts = ([f"missing keys {sorted(missing)}"] if missing else []) + ([f"unknown keys {sorted(unknown)}"] if unknown else [])
         raise RegistryError(f"{where}: {', '.join(parts)}; an entry sets exactly {sorted(_IMPL_KEYS)}")
     # A value of the wrong TOML type is reported, never a TypeError from the checks below.
-    for key in ("id", "family", "class", "doc"):
+    for key in ("id", "backend", "class", "doc"):
         if not isinstance(body[key], str):
             raise RegistryError(f"{where}: {key} must be a string")
     try:
@@ -222,8 +226,8 @@ def _impl(source: str, index: int, body: dict, families: set[str]) -> Impl:
         raise RegistryError(f"{where}: {exc}") from None
     if body["id"] != str(impl_id):
         raise RegistryError(f"{where}: ids are stored lowercase; write {str(impl_id)!r} (RULES ID1)")
-    if body["family"] not in families:
-        raise RegistryError(f"{where}: family {body['family']!r} is not declared; families: {sorted(families)}")
+    if body["backend"] not in backends:
+        raise RegistryError(f"{where}: backend {body['backend']!r} is not declared; backends: {sorted(backends)}")
     if impl_id.quant not in RUN_FORMATS:
         raise RegistryError(f"{where}: quant {impl_id.quant!r} is not a run format; run formats: {list(RUN_FORMATS)}")
     if not isinstance(body["priority"], int) or isinstance(body["priority"], bool):
@@ -270,7 +274,7 @@ def _impl(source: str, index: int, body: dict, families: set[str]) -> Impl:
         raise RegistryError(f"{where}: constraints must set {list(_CONSTRAINT_KEYS)} to positive integers")
     return Impl(
         id=impl_id,
-        family=body["family"],
+        backend=body["backend"],
         priority=body["priority"],
         sms=frozenset(sms),
         verified_sms=frozenset(verified),

@@ -49,13 +49,13 @@ def _report(task: LayerTask, shape: MoeShape | None, deployment: Deployment, reg
         raise ResolutionError(no_winner_message(request, outcome, what, fmt=fmt, registry=registry))
     warnings = (task.warning,) if task.warning else ()
     if outcome.selected_by == FALLBACK:
-        # The family's own rejections; a family with no implementation of this format has none,
+        # The backend's own rejections; a backend with no implementation of this format has none,
         # and the warning says so instead of ending in an empty list.
-        trail = "; ".join(r.describe() for r in outcome.rejections if registry.impl(r.impl).family != registry.fallback_family)
+        trail = "; ".join(r.describe() for r in outcome.rejections if registry.impl(r.impl).backend != registry.fallback_backend)
         trail = trail or f"{request.requested} has no {fmt} implementation"
         degraded = (
             f"{request.asked}: no {request.requested} implementation can serve {what}; degraded to "
-            f"{outcome.winner.id} ({outcome.winner.family}): {trail} (RULES LR4)"
+            f"{outcome.winner.id} ({outcome.winner.backend}): {trail} (RULES LR4)"
         )
         warnings += (degraded,)
     out.warnings.extend(warnings)
@@ -71,7 +71,7 @@ def _report(task: LayerTask, shape: MoeShape | None, deployment: Deployment, reg
         field=request.field,
         winner=str(winner.id),
         winner_class=winner.class_path,
-        family=winner.family,
+        backend=winner.backend,
         selected_by=outcome.selected_by,
         weights=winner.weights_text,
         verification=winner.verification(deployment.sm),

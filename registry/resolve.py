@@ -21,7 +21,7 @@ PINNED, PREFERRED, FALLBACK = "pinned", "preferred", "fallback"
 
 @dataclass(frozen=True)
 class Request:
-    """Candidates in the order they are asked; `candidates[own:]` are the fallback family's (RQ1)."""
+    """Candidates in the order they are asked; `candidates[own:]` are the fallback backend's (RQ1)."""
 
     kind: str                     # "auto" | "backend" | "tactic"
     requested: str                # canonical: "AUTO", a literal, or the tactic's full-width form
@@ -83,16 +83,16 @@ def _literal_request(literal: str, eplb: bool, registry: Registry, field: str) -
         if eplb and not usable:
             raise SelectionError(f"{field} 'AUTO' under dynamic EPLB: no implementation consumes EPLB plans (RULES RQ4)")
         return Request("auto", AUTO, field, tuple(usable), len(usable), eplb=eplb)
-    own = [i for i in usable if i.family == literal]
+    own = [i for i in usable if i.backend == literal]
     if eplb and not own:
         raise SelectionError(
             f"{field} {literal!r} under dynamic EPLB: no {literal} implementation consumes EPLB plans; "
-            f"families that do: {', '.join(sorted({i.family for i in usable})) or 'none'} (RULES RQ4)"
+            f"backends that do: {', '.join(sorted({i.backend for i in usable})) or 'none'} (RULES RQ4)"
         )
-    family = registry.family(literal)
+    backend = registry.backend(literal)
     fallback: list[Impl] = []
-    if not family.fallback and not family.never_degrades:
-        fallback = [i for i in usable if i.family == registry.fallback_family]
+    if not backend.fallback and not backend.never_degrades:
+        fallback = [i for i in usable if i.backend == registry.fallback_backend]
     return Request("backend", literal, field, tuple(own + fallback), len(own), eplb=eplb)
 
 
@@ -121,7 +121,7 @@ class LayerReport:
     field: str
     winner: str
     winner_class: str
-    family: str
+    backend: str
     selected_by: str                # pinned | preferred | fallback
     weights: str                    # the winner's registry `weights`, as text
     verification: str               # whether the winner has run on this SM ("runs on sm_100: unverified ...")
@@ -141,7 +141,7 @@ class LayerReport:
             "field": self.field,
             "winner": self.winner,
             "winner_class": self.winner_class,
-            "family": self.family,
+            "backend": self.backend,
             "selected_by": self.selected_by,
             "weights": self.weights,
             "verification": self.verification,
@@ -221,5 +221,5 @@ def _not_in_request(request: Request, fmt: str | None, registry: Registry | None
     if not serving:
         return f"no implementation of {fmt} is registered"
     which = " that consumes EPLB plans" if request.eplb else ""
-    listed = ", ".join(f"{i.id} ({i.family})" for i in serving)
+    listed = ", ".join(f"{i.id} ({i.backend})" for i in serving)
     return f"the request holds no {fmt} implementation{which}; {fmt} is served by {listed}"

@@ -1,7 +1,7 @@
 """What a pinned tactic must cover before its layers resolve, and the tactic to use instead when it does not (RULES FN3, FN4, TG3).
 
 A tactic pins every layer kind of its side: it must name implementations of each kind's run format
-(FN4), of one family per format (FN3), and, on a target, only honored ones (TG3). A refusal names the
+(FN4), of one backend per format (FN3), and, on a target, only honored ones (TG3). A refusal names the
 nearest tactic that would pass: widened (FN4) or narrowed (FN3) by the fewest segments.
 """
 
@@ -38,7 +38,7 @@ def _runnable(request: Request, fmt: str, sm: int) -> tuple[Impl, ...]:
 
 def check_tactic_covers(task: LayerTask, pinned: list[LayerTask], shape: MoeShape | None, deployment: Deployment,
                         registry: Registry) -> None:
-    """FN4 (the tactic names the layer's format) and FN3 (one family per format)."""
+    """FN4 (the tactic names the layer's format) and FN3 (one backend per format)."""
     sm, request, fmt, group = deployment.sm, task.request, task.run_format, task.group
     matches = _runnable(request, fmt, sm)
     where = f"{group.describe()} ({group.source})"
@@ -53,61 +53,61 @@ def check_tactic_covers(task: LayerTask, pinned: list[LayerTask], shape: MoeShap
             f"{request.asked} names no implementation of {fmt} on sm_{sm}, the format of {where}; "
             f"{fmt} is served by {listed}; {_widened(request, pinned, shape, deployment, registry)} (RULES FN4)"
         )
-    families = sorted({i.family for i in matches})
-    if len(families) > 1:
-        pins = ", ".join(f"{_narrowed(request, fmt, fam, sm, registry)!r} ({fam})" for fam in families)
+    backends = sorted({i.backend for i in matches})
+    if len(backends) > 1:
+        pins = ", ".join(f"{_narrowed(request, fmt, name, sm, registry)!r} ({name})" for name in backends)
         raise ResolutionError(
-            f"{request.asked} names implementations of {len(families)} families for {fmt} ({where}): "
-            f"{', '.join(families)}; pin one family: {pins} (RULES FN3)"
+            f"{request.asked} names implementations of {len(backends)} backends for {fmt} ({where}): "
+            f"{', '.join(backends)}; pin one backend: {pins} (RULES FN3)"
         )
 
 
 def _accepted(tactic, request: Request, pinned: list[LayerTask], shape, deployment: Deployment, registry: Registry) -> str | None:
-    """The family of a tactic that resolution accepts for every pinned layer kind, or None.
+    """The backend of a tactic that resolution accepts for every pinned layer kind, or None.
 
     Accepted means what resolving it checks, for the run format each layer kind would have under
-    this tactic: its runnable implementations of that format are all of one family (FN3, FN4), one
-    family for every kind, and one of them passes every eligibility gate (LR1).
+    this tactic: its runnable implementations of that format are all of one backend (FN3, FN4), one
+    backend for every kind, and one of them passes every eligibility gate (LR1).
     """
     sm = deployment.sm
     try:
         wider = moe_impl_request(tactic, eplb=request.eplb, registry=registry, field=request.field)
-        families = set()
+        backends = set()
         for task in pinned:
             fmt = run_format(task.group.checkpoint_format, wider.candidates, sm, registry, wider.asked)[0]
-            families |= {i.family for i in _runnable(wider, fmt, sm)} or {None}
+            backends |= {i.backend for i in _runnable(wider, fmt, sm)} or {None}
             if ask_candidates(wider, Problem.of(fmt, shape), deployment).winner is None:
                 return None
     except MoegenError:
         return None
-    return families.pop() if len(families) == 1 and None not in families else None
+    return backends.pop() if len(backends) == 1 and None not in backends else None
 
 
 def _widened(request: Request, pinned: list[LayerTask], shape, deployment: Deployment, registry: Registry) -> str:
-    """FN4: the tactic widened by dropping the fewest segments so one family covers every format."""
+    """FN4: the tactic widened by dropping the fewest segments so one backend covers every format."""
     tactic = request.tactic
     tokens = list(tactic.pinned())
     needed = ", ".join(sorted({t.run_format for t in pinned}))
     for drop in range(1, len(tokens)):
         for fields in itertools.combinations(tokens, drop):
             wider = tactic.with_fields(**{f: None for f in fields})
-            family = _accepted(wider.text, request, pinned, shape, deployment, registry)
-            if family:
-                return f"{wider.compact!r} covers {needed} within {family}"
-    return f"no tactic of one family covers {needed}: select by backend ({TARGET_BACKEND if request.field == TARGET_TACTIC else DRAFT_BACKEND}) instead"
+            backend = _accepted(wider.text, request, pinned, shape, deployment, registry)
+            if backend:
+                return f"{wider.compact!r} covers {needed} within {backend}"
+    return f"no tactic of one backend covers {needed}: select by backend ({TARGET_BACKEND if request.field == TARGET_TACTIC else DRAFT_BACKEND}) instead"
 
 
-def _narrowed(request: Request, fmt: str, family: str, sm: int, registry: Registry) -> str:
-    """FN3: the tactic narrowed by the fewest segments so that, for `fmt`, it names only `family`."""
+def _narrowed(request: Request, fmt: str, backend: str, sm: int, registry: Registry) -> str:
+    """FN3: the tactic narrowed by the fewest segments so that, for `fmt`, it names only `backend`."""
     tactic = request.tactic
-    own = [i for i in _runnable(request, fmt, sm) if i.family == family]
+    own = [i for i in _runnable(request, fmt, sm) if i.backend == backend]
     open_fields = [f for f in FIELDS if getattr(tactic, f) is None]
     for size in range(1, len(open_fields) + 1):
         for fields in itertools.combinations(open_fields, size):
             for impl in own:
                 narrower = tactic.with_fields(**{f: impl.id.segment(f) for f in fields})
-                names = {i.family for i in matching_impls(narrower, registry) if i.format == fmt and resolvable(i, sm, request.eplb)}
-                if names == {family}:
+                names = {i.backend for i in matching_impls(narrower, registry) if i.format == fmt and resolvable(i, sm, request.eplb)}
+                if names == {backend}:
                     return narrower.compact
     return str(own[0].id)
 

@@ -64,13 +64,13 @@ def check_rank(target: str, world: int, rank: int) -> None:
 
 
 def log_implementations(implementations: dict) -> None:
-    """LR6: `MoE layers run <class>, MoE implementation id <id> (moe_backend <family>)`, once per process."""
-    for impl_id, (cls, family) in sorted(implementations.items()):
+    """LR6: `MoE layers run <class>, MoE implementation id <id> (moe_backend <backend>)`, once per process."""
+    for impl_id, (cls, backend) in sorted(implementations.items()):
         key = (cls.__qualname__, impl_id)
         if key in _LOGGED:
             continue
         _LOGGED.add(key)
-        log.info("MoE layers run %s, MoE implementation id %s (moe_backend %s)", cls.__name__, impl_id, family)
+        log.info("MoE layers run %s, MoE implementation id %s (moe_backend %s)", cls.__name__, impl_id, backend)
 
 
 def checkpoint_tensors(model: nn.Module):

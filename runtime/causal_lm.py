@@ -62,7 +62,7 @@ class Backbone(nn.Module):
 class CausalLMBuild(CausalLM):
     """A build's model: constructed for `target` on `device` as rank `rank` of `layout`.
 
-    `implementations`: bound id -> (experts class, backend family); `cpu_impls`: the bound ids that also
+    `implementations`: bound id -> (experts class, backend); `cpu_impls`: the bound ids that also
     run on the host CPU; `layers`: per decoder layer its bound id, None for a dense MLP; `ignored`: the
     checkpoint tensors the build does not read (fnmatch patterns; the loader refuses any other unread one).
     """

@@ -25,7 +25,7 @@ class DraftBuild(nn.Module):
     """A draft of `target` on `device` as rank `rank` of `layout`: refuses a device or a rank it does not
     run on (named `<target> draft` in messages); with `parallel`, joins the layout's process groups as its
     target's modeling.py does. `implementations`/`cpu_impls` are what the draft binds (id -> (experts
-    class, backend family)) and those that also run on the host CPU; `ignored`: the checkpoint tensors it
+    class, backend)) and those that also run on the host CPU; `ignored`: the checkpoint tensors it
     does not read (fnmatch patterns)."""
 
     def __init__(self, *, target: str, sm: int, layout: Layout, implementations: dict, cpu_impls: Sequence[str],

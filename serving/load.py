@@ -1,6 +1,6 @@
 """`load_model` of a generated root: it picks, through the build index, the build that serves a deployment, and builds and loads it.
 
-It reads the root's `_router_index.INDEX`: a target's specialized build when it claims the
+It reads the root's `_build_index.INDEX`: a target's specialized build when it claims the
 selection, is bound to what the selection resolves to and holds the draft its speculative mode needs (the
 decision `explain` narrates), else the model's generic build (mode `auto`), or an error naming the
 criterion that did not match (`require`); `off` always uses the generic build (RULES TG5, TG6). A root
@@ -96,7 +96,7 @@ class Builds:
 
     @functools.cached_property
     def index(self) -> dict:
-        return importlib.import_module(f"{self.package}._router_index").INDEX
+        return importlib.import_module(f"{self.package}._build_index").INDEX
 
     def module(self, relative: str):
         """One of the root's modules, named as the index names it (`.<model>.<target>.modeling`)."""

@@ -4,7 +4,7 @@
 # Facts of qwen3_30b_a3b.
 """qwen3_30b_a3b: its config, and per checkpoint the facts the selection rules read (no torch, no pydantic).
 
-Read by the router (`generated.load_model`) and by the generic build, which resolves each layer at load.
+Read by the build index (`generated.load_model`) and by the generic build, which resolves each layer at load.
 """
 
 MODEL = 'qwen3_30b_a3b'

@@ -4,7 +4,7 @@
 # Facts of tiny_mixtral.
 """tiny_mixtral: its config, and per checkpoint the facts the selection rules read (no torch, no pydantic).
 
-Read by the router (`generated.load_model`) and by the generic build, which resolves each layer at load.
+Read by the build index (`generated.load_model`) and by the generic build, which resolves each layer at load.
 """
 
 MODEL = 'tiny_mixtral'

@@ -27,7 +27,7 @@ from runtime.checkpoint import quantized_weights, scales
 from runtime.checkpoint.errors import CheckpointError
 from runtime.checkpoint.experts_sources import experts_source
 from runtime.checkpoint.reader import CheckpointReader
-from runtime.experts.base import WEIGHT_FAMILY, canonical_tensors
+from runtime.experts.base import WEIGHT_KIND, canonical_tensors
 
 # Below this many bytes a load is over before a bar is worth drawing.
 PROGRESS_MIN_BYTES = 1 << 30
@@ -153,7 +153,7 @@ def _load(model, reader, experts, ignore, progress, device) -> LoadReport:
                 # Experts of a build constructed on the meta device get storage where the rest goes.
                 module.to_empty(device=device)
             fmt = getattr(module, "FORMAT", None)
-            counting = _CountingSource(source, bar, e8m0=WEIGHT_FAMILY.get(fmt) == "mxfp4")
+            counting = _CountingSource(source, bar, e8m0=WEIGHT_KIND.get(fmt) == "mxfp4")
             module.load_weights(counting)
             report.tensors += counting.tensors
             report.bytes += counting.bytes
@@ -281,13 +281,13 @@ def _check_experts(source, module) -> tuple[list[str], set[str]]:
     """
     spec = getattr(module, "spec", None)
     fmt = getattr(module, "FORMAT", None)
-    if spec is None or fmt not in WEIGHT_FAMILY or not callable(getattr(module, "source_problems", None)):
+    if spec is None or fmt not in WEIGHT_KIND or not callable(getattr(module, "source_problems", None)):
         # A module that does not say what it reads: claim the layer's tensors and let its own
         # load_weights validate (its checks then run after the plain parameters are copied).
         return [], set(source.owned_names())
     problems = list(module.source_problems(source))
     kinds = {(t.proj, t.kind) for t in canonical_tensors(spec, fmt)}
-    if WEIGHT_FAMILY[fmt] == "nvfp4":
+    if WEIGHT_KIND[fmt] == "nvfp4":
         # An NVFP4 checkpoint carries input_scale whichever NVFP4 run format reads it (W4A16 does not).
         kinds |= {(proj, "input_scale") for proj in spec.projections}
     claimed = set()

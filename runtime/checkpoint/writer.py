@@ -22,7 +22,7 @@ from runtime.build import checkpoint_tensors, random_values
 from runtime.checkpoint.experts_sources import GATE_UP_DOWN, W1_W3_W2, PerExpertSource
 from runtime.checkpoint.loader import find_experts_modules
 from runtime.checkpoint.reader import CONFIG_FILE, SINGLE_FILE
-from runtime.experts.base import WEIGHT_FAMILY, random_source
+from runtime.experts.base import WEIGHT_KIND, random_source
 
 # The experts storages a family's spec names (`experts_storage`): per-expert tensors named as in
 # experts_sources.py, or one fused tensor per projection (the hub's MXFP4 blocks/scales, or what
@@ -36,10 +36,10 @@ def experts_layout(storage: str, fmt: str) -> str:
         raise ValueError(f"no known experts storage {storage!r}; known: {', '.join(STORAGES)}")
     if storage != "fused_gate_up":
         return storage
-    family_of_format = WEIGHT_FAMILY[fmt]
-    if family_of_format not in ("bf16", "mxfp4"):
+    weight_kind = WEIGHT_KIND[fmt]
+    if weight_kind not in ("bf16", "mxfp4"):
         raise ValueError(f"gpt-oss checkpoints hold bf16 or MXFP4 experts, not {fmt}")
-    return "gpt_oss_mxfp4" if family_of_format == "mxfp4" else "gpt_oss_bf16"
+    return "gpt_oss_mxfp4" if weight_kind == "mxfp4" else "gpt_oss_bf16"
 
 
 def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import torch
 from contract import RUN_FORMATS, MoeShape
 
 from .canonical import (  # noqa: F401 - re-exported: the contract's names
-    DIM_UNIT, PLAIN_FLOATS, SHARD_UNIT, WEIGHT_FAMILY, WEIGHT_KINDS, CanonicalTensor, canonical_tensors,
+    DIM_UNIT, PLAIN_FLOATS, SHARD_UNIT, WEIGHT_KIND, WEIGHT_PARTS, CanonicalTensor, canonical_tensors,
     dequantize_canonical,
 )
 from .sources import DictExpertSource, ExpertTensorSource, random_source  # noqa: F401 - re-exported
@@ -102,7 +102,7 @@ class ExpertsBase(torch.nn.Module):
             raise TypeError(f"{type(self).__name__} must set IMPL_ID and a FORMAT among {RUN_FORMATS}")
         self.spec = spec
         self.parallel = parallel
-        self.family = WEIGHT_FAMILY[self.FORMAT]
+        self.weight_kind = WEIGHT_KIND[self.FORMAT]
         self.inter = parallel.inter_slice(spec.intermediate_size)
         self.inter_size = self.inter.stop - self.inter.start
         self._check_sizes()
@@ -138,11 +138,11 @@ class ExpertsBase(torch.nn.Module):
 
     # --- shared -------------------------------------------------------------------------------------
     def _check_sizes(self):
-        spec, unit = self.spec, DIM_UNIT[self.family]
+        spec, unit = self.spec, DIM_UNIT[self.weight_kind]
         problems = [f"{name} {size} is not a multiple of {unit}"
                     for name, size in (("hidden_size", spec.hidden_size),
                                        ("intermediate_size", spec.intermediate_size)) if size % unit]
-        shard_unit = SHARD_UNIT[self.family]
+        shard_unit = SHARD_UNIT[self.weight_kind]
         if self.parallel.moe_tp_size > 1 and self.inter_size % shard_unit:
             problems.append(f"the MoE-TP shard of {self.inter_size} intermediate channels is not a "
                             f"multiple of {shard_unit}")

@@ -11,19 +11,19 @@ from ..formats.fp8 import WEIGHT_BLOCK, dequantize_weight_blocks
 from ..formats.mxfp4 import MX_BLOCK, dequantize_mxfp4
 from ..formats.nvfp4 import NVFP4_BLOCK, dequantize_nvfp4
 
-# Run format -> the checkpoint tensors it reads. The three MXFP4 run formats read the same tensors.
-WEIGHT_FAMILY = {
+# Run format -> its weight kind: which checkpoint tensors it reads. The three MXFP4 run formats read the same tensors.
+WEIGHT_KIND = {
     "bf16": "bf16",
     "fp8_block_scales": "fp8",
     "w4a16_mxfp4": "mxfp4", "w4a8_mxfp4_fp8": "mxfp4", "w4a8_mxfp4_mxfp8": "mxfp4",
     "w4a16_nvfp4": "nvfp4", "nvfp4": "nvfp4",
 }
-# Scale granularity along the input dim: hidden and intermediate sizes must be multiples of it.
+# Weight kind -> its scale granularity along the input dim: hidden and intermediate sizes must be multiples of it.
 DIM_UNIT = {"bf16": 1, "fp8": 1, "mxfp4": MX_BLOCK, "nvfp4": NVFP4_BLOCK}
 # A MoE-TP shard of the intermediate dim must start on a scale boundary of both the gate/up rows
 # (fp8 blocks span 128 rows) and the down columns.
 SHARD_UNIT = {"bf16": 1, "fp8": WEIGHT_BLOCK, "mxfp4": MX_BLOCK, "nvfp4": NVFP4_BLOCK}
-# Unquantized expert tensors (bf16-family weights, biases) come in any of these: transformers saves
+# Unquantized expert tensors (bf16 weights, biases) come in any of these: transformers saves
 # fp32 by default, hub checkpoints are bf16. Between them the value is cast to what the module keeps.
 PLAIN_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -57,7 +57,7 @@ def canonical_tensors(spec, fmt: str, inter: slice | None = None,
     """The canonical tensors of one expert of the layer `spec` (a MoeLayerSpec) in run format `fmt`, sliced
     to the intermediate shard `inter` (None: the whole expert). gate/up shard their rows, down its
     columns; down's bias is whole. `plain` is the dtype unquantized weights and biases are kept in."""
-    family = WEIGHT_FAMILY[fmt]
+    weight_kind = WEIGHT_KIND[fmt]
     h, i = spec.hidden_size, spec.intermediate_size
     out = []
     for proj in spec.projections:
@@ -70,13 +70,13 @@ def canonical_tensors(spec, fmt: str, inter: slice | None = None,
             cols = None if scalar or shard_cols is None else _scaled(shard_cols, unit_cols)
             out.append(CanonicalTensor(proj, kind, shape, dtype, rows, cols))
 
-        if family == "bf16":
+        if weight_kind == "bf16":
             add("weight", (rows_out, cols_in), plain)
-        elif family == "fp8":
+        elif weight_kind == "fp8":
             add("weight", (rows_out, cols_in), torch.float8_e4m3fn)
             add("weight_scale_inv", (math.ceil(rows_out / WEIGHT_BLOCK), math.ceil(cols_in / WEIGHT_BLOCK)),
                 torch.float32, WEIGHT_BLOCK, WEIGHT_BLOCK)
-        elif family == "mxfp4":
+        elif weight_kind == "mxfp4":
             add("weight", (rows_out, cols_in // 2), torch.uint8, 1, 2)
             add("weight_scale", (rows_out, cols_in // MX_BLOCK), torch.uint8, 1, MX_BLOCK)
         else:
@@ -91,17 +91,18 @@ def canonical_tensors(spec, fmt: str, inter: slice | None = None,
     return tuple(out)
 
 
-WEIGHT_KINDS = ("weight", "weight_scale_inv", "weight_scale", "weight_scale_2")
+# The canonical tensor kinds that make up a weight (a bias is not one of them).
+WEIGHT_PARTS = ("weight", "weight_scale_inv", "weight_scale", "weight_scale_2")
 
 
 def dequantize_canonical(fmt: str, parts: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """The [..., out, in] weight held by canonical `parts` (kind -> tensor, optionally stacked over
     experts), computed in fp32 and rounded once to `dtype`."""
-    family = WEIGHT_FAMILY[fmt]
-    if family == "bf16":
+    weight_kind = WEIGHT_KIND[fmt]
+    if weight_kind == "bf16":
         return parts["weight"].to(dtype)
-    if family == "fp8":
+    if weight_kind == "fp8":
         return dequantize_weight_blocks(parts["weight"], parts["weight_scale_inv"], dtype)
-    if family == "mxfp4":
+    if weight_kind == "mxfp4":
         return dequantize_mxfp4(parts["weight"], parts["weight_scale"], dtype)
     return dequantize_nvfp4(parts["weight"], parts["weight_scale"], parts["weight_scale_2"], dtype)

@@ -5,7 +5,7 @@ from typing import Mapping, Protocol
 
 import torch
 
-from .canonical import WEIGHT_FAMILY
+from .canonical import WEIGHT_KIND
 
 
 class ExpertTensorSource(Protocol):
@@ -56,17 +56,17 @@ def random_source(spec, fmt: str, experts, generator: torch.Generator, std: floa
     from ..formats.mxfp4 import quantize_mxfp4
     from ..formats.nvfp4 import quantize_nvfp4_weight
 
-    family = WEIGHT_FAMILY[fmt]
+    weight_kind = WEIGHT_KIND[fmt]
     tensors = {}
     for expert in experts:
         for proj in spec.projections:
             out_dim, in_dim = (spec.intermediate_size, spec.hidden_size) if proj != "down" else (spec.hidden_size, spec.intermediate_size)
             w = torch.randn(out_dim, in_dim, generator=generator) * std
-            if family == "bf16":
+            if weight_kind == "bf16":
                 parts = {"weight": w.to(torch.bfloat16)}
-            elif family == "fp8":
+            elif weight_kind == "fp8":
                 parts = dict(zip(("weight", "weight_scale_inv"), quantize_weight_blocks(w)))
-            elif family == "mxfp4":
+            elif weight_kind == "mxfp4":
                 parts = dict(zip(("weight", "weight_scale"), quantize_mxfp4(w)))
             else:
                 parts = dict(zip(("weight", "weight_scale", "weight_scale_2"), quantize_nvfp4_weight(w)))

@@ -15,7 +15,7 @@ import torch
 from .. import activations
 from ..formats.fp8 import qdq_act_groups
 from .base import ExpertParallel, ExpertsBase, MoeLayerSpec
-from .canonical import WEIGHT_KINDS, dequantize_canonical
+from .canonical import WEIGHT_PARTS, dequantize_canonical
 
 # torch._grouped_mm wants 16-byte aligned strides, on CPU as on CUDA: with bf16 operands every
 # K and N of both GEMMs (hidden size, this rank's intermediate size) is a multiple of 8.
@@ -66,7 +66,7 @@ class _GroupedMmExperts(ExpertsBase):
     def _convert_weights(self, stacked):
         def weight(proj):
             parts = {t.kind: stacked(proj, t.kind) for t in self.tensors
-                     if t.proj == proj and t.kind in WEIGHT_KINDS}
+                     if t.proj == proj and t.kind in WEIGHT_PARTS}
             return dequantize_canonical(self.FORMAT, parts, torch.bfloat16)
 
         return {"w13": torch.cat([weight(p) for p in self.spec.projections[:-1]], dim=1), "w2": weight("down")}
@@ -191,10 +191,10 @@ class _PackedGroupedMmExperts(_GroupedMmExperts):
 
     def _weight_specs(self):
         n = len(self.expert_ids)
-        return {f"{t.proj}_{t.kind}": ((n, *t.local_shape), t.dtype) for t in self.tensors if t.kind in WEIGHT_KINDS}
+        return {f"{t.proj}_{t.kind}": ((n, *t.local_shape), t.dtype) for t in self.tensors if t.kind in WEIGHT_PARTS}
 
     def _convert_weights(self, stacked):
-        return {f"{t.proj}_{t.kind}": stacked(t.proj, t.kind) for t in self.tensors if t.kind in WEIGHT_KINDS}
+        return {f"{t.proj}_{t.kind}": stacked(t.proj, t.kind) for t in self.tensors if t.kind in WEIGHT_PARTS}
 
     def packed_bytes(self) -> int:
         """Bytes of the weights held (codes and scales, this rank's experts)."""
@@ -210,7 +210,7 @@ class _PackedGroupedMmExperts(_GroupedMmExperts):
     def _dequantized(self, proj: str, r0: int, r1: int, group: int) -> torch.Tensor:
         """Rows r0:r1 of `proj` for every local expert as bf16 [n, r1 - r0, k]."""
         parts = {t.kind: getattr(self, f"{proj}_{t.kind}") for t in self.tensors
-                 if t.proj == proj and t.kind in WEIGHT_KINDS}
+                 if t.proj == proj and t.kind in WEIGHT_PARTS}
         n, k = parts["weight"].shape[0], parts["weight"].shape[2] * 2
         w = torch.empty((n, r1 - r0, k), dtype=torch.bfloat16, device=parts["weight"].device)
         for e0 in range(0, n, group):

@@ -10,7 +10,7 @@ import torch
 from .. import activations
 from ..formats.act_quant import quantize_dequantize_activation
 from .base import ExpertsBase
-from .canonical import WEIGHT_KINDS, dequantize_canonical
+from .canonical import WEIGHT_PARTS, dequantize_canonical
 
 
 class _EagerLoopExperts(ExpertsBase):
@@ -30,7 +30,7 @@ class _EagerLoopExperts(ExpertsBase):
 
     def _weight(self, i: int, proj: str) -> torch.Tensor:
         parts = {t.kind: getattr(self, f"{proj}_{t.kind}")[i]
-                 for t in self.tensors if t.proj == proj and t.kind in WEIGHT_KINDS}
+                 for t in self.tensors if t.proj == proj and t.kind in WEIGHT_PARTS}
         return dequantize_canonical(self.FORMAT, parts, torch.float32)
 
     def _input_scale(self, i: int, *projs: str):

@@ -1,4 +1,4 @@
-"""CUDA kernels of the CUPY experts family, compiled on first use for the GPU that runs them.
+"""CUDA kernels of the CUPY backend's experts, compiled on first use for the GPU that runs them.
 
 cupy is imported only inside `load` and `launch`, so the runtime (and every class that uses these
 kernels) imports and constructs on machines without it. A module is compiled through CuPy's NVRTC

@@ -2,7 +2,7 @@
 
 `MYMOE` is a two-layer mixtral-family model with two targets on sm_90: `tp1` honors only the TORCH
 grouped GEMM (AUTO binds it, restricted to the honored set), `tp2` honors any implementation and is
-built under backend TORCH (so what it binds does not move when a preferred family is registered).
+built under backend TORCH (so what it binds does not move when a preferred backend is registered).
 Its messages depend on nothing the project's own declarations may change, so they are asserted exactly.
 """
 

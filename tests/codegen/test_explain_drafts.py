@@ -1,4 +1,4 @@
-"""`explain` names the draft build that serves a speculative selection, per site (RULES TG6), and the router index states each target's draft build."""
+"""`explain` names the draft build that serves a speculative selection, per site (RULES TG6), and the build index states each target's draft build."""
 from __future__ import annotations
 
 import importlib
@@ -43,8 +43,8 @@ def test_a_target_without_the_mode_names_the_generic_draft_that_loads_instead(ca
     ]
 
 
-def test_the_router_index_states_each_targets_draft_build():
-    index = importlib.import_module("generated._router_index").INDEX
+def test_the_build_index_states_each_targets_draft_build():
+    index = importlib.import_module("generated._build_index").INDEX
     by_name = {t["name"]: t for t in index["targets"]}
     assert by_name["kimi_k3_mxfp4__sm_100__tp16_moetp4ep4"]["draft"] == {
         "module": ".kimi_k3.kimi_k3_mxfp4__sm_100__tp16_moetp4ep4.draft", "name": "kimi_k3_drafter", "kind": "external"}

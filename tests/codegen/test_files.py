@@ -234,7 +234,7 @@ def test_dry_run_of_generate_all_lists_the_orphans_it_would_remove_and_removes_n
     before = snapshot(repo)
     code, out, _ = cli(capsys, "generate", "--all", "--dry-run")
     assert code == 0 and "would remove generated/tiny_mixtral/old.py" in out.splitlines()
-    assert "unchanged   generated/_router_index.py" in out.splitlines()
+    assert "unchanged   generated/_build_index.py" in out.splitlines()
     assert snapshot(repo) == before
 
 

@@ -87,7 +87,7 @@ CORPUS = [
     (moe(eplb=True, tactic="grouped_mm"), True),             # RQ4: matches an EPLB implementation
     (moe(eplb=True, tactic="eager"), False),                 # RQ4: matches none
     (moe(eplb=True, tactic="eager.bf16"), False),
-    (moe(eplb=True, backend="VANILLA"), False),              # RQ4: a family with no EPLB implementation
+    (moe(eplb=True, backend="VANILLA"), False),              # RQ4: a backend with no EPLB implementation
     (moe(eplb=True, backend="TORCH"), True),
     (moe(eplb="yes", tactic="eager"), False),                # pydantic reads "yes" as true ...
     (moe(eplb="off", tactic="eager"), True),                 # ... and "off" as false

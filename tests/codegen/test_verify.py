@@ -162,16 +162,16 @@ def test_a_constant_assigned_twice_is_refused(project):
     )
 
 
-def test_implementations_bound_to_another_family_are_refused(project):
-    # RULES GN1: IMPLEMENTATIONS keys are the bound ids, each with its class and family
+def test_implementations_bound_to_another_backend_are_refused(project):
+    # RULES GN1: IMPLEMENTATIONS keys are the bound ids, each with its class and backend
     decl, plan, registry = planned(project, KIMI)
     path, text, claims = rendered(project)
     (impl_id,) = plan.bound_ids
     impl = registry.impl(impl_id)
-    bad = text.replace(f"({impl.class_name}, '{impl.family}')", f"({impl.class_name}, 'ELSEWHERE')", 1)
+    bad = text.replace(f"({impl.class_name}, '{impl.backend}')", f"({impl.class_name}, 'ELSEWHERE')", 1)
     assert refusal(path, bad, claims) == (
         f"{path}:{line_of(bad, 'IMPLEMENTATIONS = {')}: claim 'IMPLEMENTATIONS equals the plan' does not hold: "
-        f"it binds {impl_id} -> {impl.class_name} (ELSEWHERE); the plan binds {impl_id} -> {impl.class_name} ({impl.family}) (RULES GN1)"
+        f"it binds {impl_id} -> {impl.class_name} (ELSEWHERE); the plan binds {impl_id} -> {impl.class_name} ({impl.backend}) (RULES GN1)"
     )
 
 

@@ -48,7 +48,7 @@ def load(module: str):
 
 
 def index() -> dict:
-    return load("generated._router_index").INDEX
+    return load("generated._build_index").INDEX
 
 
 def facts(model: str):
@@ -56,7 +56,7 @@ def facts(model: str):
 
 
 def specialized(model: str) -> list[dict]:
-    """The model's specialized targets, from the router index."""
+    """The model's specialized targets, from the build index."""
     return [t for t in index()["targets"] if t["model"] == model]
 
 
@@ -73,14 +73,14 @@ def runs_on_cpu(target: dict) -> bool:
 
 
 def cpu_twin(impl_id: str) -> tuple[type, str]:
-    """(class, family) of the TORCH implementation of the same format as `impl_id`: the experts contract
+    """(class, backend) of the TORCH implementation of the same format as `impl_id`: the experts contract
     (docs/runtime.md) makes them interchangeable, so a test of a build's own code can run a build bound
     to a GPU-only kernel on the CPU."""
     from registry.impls import load_registry
     from runtime.build import load_class
 
     twin = load_registry().impl("torch.grouped_mm.grouped_gemm." + impl_id.rsplit(".", 1)[1])
-    return load_class(twin.class_path), twin.family
+    return load_class(twin.class_path), twin.backend
 
 
 def tiny_models() -> list[str]:

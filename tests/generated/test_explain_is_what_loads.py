@@ -75,7 +75,7 @@ def test_explain_names_the_build_load_model_loads(capsys, caplog, model, sm, par
     assert package == f"generated.{model}.{expected.removeprefix(model + '/')}"
     logged = {r.getMessage().split("; loading the generic build")[0] for r in caplog.records if r.name == "moegen"}
     if site["target"]:
-        # Every reason the router logged is a criterion explain reported failing, word for word.
+        # Every reason the build index logged is a criterion explain reported failing, word for word.
         assert logged == {f"{site['name']}: {c['text']}" for c in site["criteria"] if c["ok"] is False}
     else:
         assert [m.split(" (declared")[0] for m in logged] == [
@@ -95,7 +95,7 @@ def test_explain_names_the_build_load_model_loads(capsys, caplog, model, sm, par
 
 
 def test_what_generate_require_accepts_is_what_the_written_package_loads(capsys, tmp_path, monkeypatch):
-    # RULES TG6: `generate --mode require` decides like the router, on the build it writes; the package
+    # RULES TG6: `generate --mode require` decides like the build index, on the build it writes; the package
     # it writes then loads that build, draft included, for the same selection.
     out = tmp_path / "explored"
     flags = ["--spec-mode", "mtp", "--draft-backend", "VANILLA"]

@@ -11,7 +11,7 @@ from tests.generated import builds
 FILES = builds.modeling_files() + builds.draft_files()
 IDS = [str(p.relative_to(builds.GENERATED)) for p in FILES]
 
-# The build's identity and entry points: read by the router index, the claims check and users, not by
+# The build's identity and entry points: read by the build index, the claims check and users, not by
 # the file's own code (an external drafter's DRAFT_LAYERS is its claims-checked draft table).
 PUBLIC = {"MODEL", "FAMILY", "TARGET", "CHECKPOINT", "SM", "PARALLEL", "MOE_IMPLS_HONORED", "DRAFT_MOE_IMPLS_HONORED",
           "MODEL_CLASS", "DRAFT_CLASS", "DRAFT", "MODE", "DRAFT_LAYERS"}

@@ -69,7 +69,7 @@ def _lr6(caplog) -> list[str]:
 
 def _line(impl_id: str) -> str:
     impl = load_registry().impl(impl_id)
-    return f"MoE layers run {impl.class_name}, MoE implementation id {impl_id} (moe_backend {impl.family})"
+    return f"MoE layers run {impl.class_name}, MoE implementation id {impl_id} (moe_backend {impl.backend})"
 
 
 def test_each_implementation_is_logged_once_per_process_in_the_rule_s_words(caplog, monkeypatch):

@@ -17,7 +17,7 @@ from tests.generated import builds
 TARGETS = [t for m in builds.tiny_models() for t in builds.specialized(m) if builds.single_rank(t) and builds.runs_on_cpu(t)]
 
 
-# AUTO on a GPU SM may prefer a GPU-only family (CUPY on sm_90): the generic builds run here under the
+# AUTO on a GPU SM may prefer a GPU-only backend (CUPY on sm_90): the generic builds run here under the
 # TORCH backend, which runs on the host CPU (and falls back to VANILLA, RULES RQ1).
 ON_CPU = Selection(backend="TORCH")
 

@@ -245,9 +245,9 @@ def test_a_reduced_generated_build_runs_cupy_and_matches_its_cpu_logits(path, ex
     8e-2 with FP8 activations (VANILLA quantizes the fp32 hidden states, CUPY their bf16 rounding, so
     some FP8 codes differ and the difference compounds over the layers)."""
     mod = importlib.import_module(path)
-    (impl_id, (cls, family)), = mod.IMPLEMENTATIONS.items()
+    (impl_id, (cls, backend)), = mod.IMPLEMENTATIONS.items()
     # a TRITON class is its format's CUPY class with Triton prefill GEMMs (qwen3's SM90 target binds one)
-    assert family in ("CUPY", "TRITON") and issubclass(cls, CUPY_EXPERTS)
+    assert backend in ("CUPY", "TRITON") and issubclass(cls, CUPY_EXPERTS)
     # The layer plan's runs, cut after layer 1.
     monkeypatch.setattr(mod, "LAYERS", tuple((range(r.start, min(r.stop, 2)), i) for r, i in mod.LAYERS if r.start < 2))
     # The embedding and head are built from ARCHITECTURE (the vocabulary captured when the module loaded).

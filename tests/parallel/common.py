@@ -14,7 +14,7 @@ import torch
 
 import generated
 from generated import run
-from generated._router_index import INDEX
+from generated._build_index import INDEX
 from runtime.launch import ForwardJob
 
 # The tiny models and the SM their targets are declared for (tiny_kimi_k3 mirrors kimi_k3's sm_100).
@@ -55,7 +55,7 @@ def generic_module(model: str):
     if folder and folder not in sys.path:
         sys.path.insert(0, folder)
     package = f"moegen_variant_{model}"
-    index = importlib.import_module(f"{package}._router_index").INDEX
+    index = importlib.import_module(f"{package}._build_index").INDEX
     return importlib.import_module(index["models"][model]["generic"], package)
 
 

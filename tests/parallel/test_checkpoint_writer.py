@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from generated import run
-from generated._router_index import INDEX
+from generated._build_index import INDEX
 from runtime.checkpoint import CheckpointReader, experts_source
 from runtime.checkpoint.writer import save_checkpoint, stored_expert_tensors
 from runtime.experts.base import MoeLayerSpec, random_source

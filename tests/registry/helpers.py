@@ -1,8 +1,8 @@
 """Shared builders for the registry tests: synthetic registries and small model facts.
 
-The project registry has two families (TORCH, the fallback, and VANILLA, which never degrades).
-Rules about a third family (a literal that degrades to the fallback, two families serving one
-format) are exercised on `cupy_registry()`: the project registry plus a CUPY family whose
+The project registry has two backends (TORCH, the fallback, and VANILLA, which never degrades).
+Rules about a third backend (a literal that degrades to the fallback, two backends serving one
+format) are exercised on `cupy_registry()`: the project registry plus a CUPY backend whose
 implementations have narrow eligibility on purpose.
 """
 
@@ -22,16 +22,16 @@ from registry.model import DraftFacts, ModelFacts, MoeSite
 REAL_TEXT = DEFAULT_PATH.read_text(encoding="utf-8")
 
 
-def _without_family(text: str, family: str) -> str:
-    """`text` less the family's table and its `[[impl]]` entries (blank-line separated blocks)."""
+def _without_backend(text: str, backend: str) -> str:
+    """`text` less the backend's table and its `[[impl]]` entries (blank-line separated blocks)."""
     blocks = re.split(r"\n(?=\[)", text)
     return "\n".join(b for b in blocks
-                     if not b.startswith(f"[families.{family}]") and f'family = "{family}"' not in b)
+                     if not b.startswith(f"[backends.{backend}]") and f'backend = "{backend}"' not in b)
 
 
-# The project registry without its own CUPY family (nor TRITON, whose classes are CUPY's with Triton
+# The project registry without its own CUPY backend (nor TRITON, whose classes are CUPY's with Triton
 # prefill GEMMs): the synthetic one below replaces it.
-REAL_TEXT_WITHOUT_CUPY = _without_family(_without_family(REAL_TEXT, "CUPY"), "TRITON")
+REAL_TEXT_WITHOUT_CUPY = _without_backend(_without_backend(REAL_TEXT, "CUPY"), "TRITON")
 
 _CAPS = {
     "expert_bias": "true",
@@ -45,7 +45,7 @@ _CAPS = {
 
 def impl_toml(
     id: str,
-    family: str,
+    backend: str,
     priority: int,
     sms: str = "[90, 100]",
     cpu: str = "false",
@@ -63,35 +63,35 @@ def impl_toml(
     weights = weights or ('"none"' if id.endswith(".bf16") else '"at_load"')
     return (
         "\n[[impl]]\n"
-        f'id = "{id}"\nfamily = "{family}"\npriority = {priority}\nsms = {sms}\nverified_sms = {verified_sms}\ncpu = {cpu}\n'
+        f'id = "{id}"\nbackend = "{backend}"\npriority = {priority}\nsms = {sms}\nverified_sms = {verified_sms}\ncpu = {cpu}\n'
         f'class = "{klass}"\ndoc = "{doc}"\nweights = {weights}\ncapabilities = {{ {cap_text} }}\nconstraints = {constraints}\n'
     )
 
 
-FAMILIES = """
-[families.TORCH]
+BACKENDS = """
+[backends.TORCH]
 doc = "The fallback."
 fallback = true
 
-[families.VANILLA]
+[backends.VANILLA]
 doc = "The reference."
 never_degrades = true
 """
 
 
-def small_registry_text(*impls: str, families: str = FAMILIES, mxfp4: str = "") -> str:
-    """A minimal registry: the two base families, the given entries, an optional FN2 table."""
+def small_registry_text(*impls: str, backends: str = BACKENDS, mxfp4: str = "") -> str:
+    """A minimal registry: the two base backends, the given entries, an optional FN2 table."""
     base = [
         impl_toml("torch.grouped_mm.grouped_gemm.bf16", "TORCH", 500),
         impl_toml("torch.eager.loop.bf16", "VANILLA", 900, dynamic_eplb="false"),
     ]
     table = f"\n[mxfp4_run_formats]\n{mxfp4}\n" if mxfp4 else ""
-    return families + "".join(base) + "".join(impls) + table
+    return backends + "".join(base) + "".join(impls) + table
 
 
-# A third family. Priorities ahead of TORCH: CUPY is preferred where it is eligible.
+# A third backend. Priorities ahead of TORCH: CUPY is preferred where it is eligible.
 CUPY_TEXT = (
-    '\n[families.CUPY]\ndoc = "CUDA kernels through CuPy (synthetic, for tests)."\n'
+    '\n[backends.CUPY]\ndoc = "CUDA kernels through CuPy (synthetic, for tests)."\n'
     + impl_toml(
         "cupy.mma.grouped_gemm.bf16",
         "CUPY",
@@ -110,7 +110,7 @@ CUPY_TEXT = (
 
 @functools.lru_cache(maxsize=None)
 def cupy_registry():
-    """The project registry with the synthetic CUPY family in place of its own."""
+    """The project registry with the synthetic CUPY backend in place of its own."""
     return load_registry_text(REAL_TEXT_WITHOUT_CUPY + CUPY_TEXT, "cupy-registry.toml")
 
 

@@ -60,7 +60,7 @@ def test_explain_json_for_kimi_k3_on_sm_100_carries_the_same_facts(capsys):
     (site,) = json.loads(out)["sites"]
     (layer,) = site["layers"]
     assert site["loads"] == "kimi_k3_mxfp4__sm_100__tp16_moetp4ep4"
-    assert (layer["winner"], layer["family"], layer["selected_by"], layer["run_format"]) == (
+    assert (layer["winner"], layer["backend"], layer["selected_by"], layer["run_format"]) == (
         "torch.grouped_mm.grouped_gemm.w4a16_mxfp4", "TORCH", "preferred", "w4a16_mxfp4")
     assert layer["weights"] == "kept packed, dequantized per expert group in the forward"
     assert layer["verification"] == "runs on sm_100: unverified (never run on that SM)"
@@ -257,8 +257,8 @@ def _tactics() -> list[str]:
 @pytest.mark.parametrize("model, checkpoint", [("deepseek_v3", "deepseek_v3_fp8"), ("tiny_gpt_oss", "tiny_gpt_oss_bf16"),
                                                ("tiny_glm4_moe", "tiny_glm4_moe_bf16")])
 def test_every_widened_tactic_a_message_suggests_is_accepted_when_fed_back(capsys, model, checkpoint):
-    # RULES FN4: one family per format, and it resolves (every eligibility gate) for each layer kind of
-    # the checkpoint the refusal is about (a model's checkpoints may need different families: no TRITON
+    # RULES FN4: one backend per format, and it resolves (every eligibility gate) for each layer kind of
+    # the checkpoint the refusal is about (a model's checkpoints may need different backends: no TRITON
     # tactic serves tiny_gpt_oss's MXFP4 checkpoint, 'triton' is the right advice for its bf16 one)
     where = ("--model", model, "--checkpoint", checkpoint, "--sm", "90")
     suggested = 0
@@ -282,7 +282,7 @@ def test_a_widened_tactic_fn3_would_refuse_is_not_suggested(capsys):
         "cupy.mma.grouped_gemm.fp8_block_scales ('cupy.fp8_block_scales'), triton.wgmma.grouped_gemm.fp8_block_scales "
         "('triton.fp8_block_scales'), torch.grouped_mm.grouped_gemm.fp8_block_scales "
         "('grouped_mm.fp8_block_scales'), torch.eager.loop.fp8_block_scales ('eager.fp8_block_scales'); no tactic of one "
-        "family covers fp8_block_scales: select by backend (moe_config.backend) instead (RULES FN4)\n"
+        "backend covers fp8_block_scales: select by backend (moe_config.backend) instead (RULES FN4)\n"
     )
 
 
@@ -290,7 +290,7 @@ def test_a_widened_tactic_no_implementation_of_passes_the_shape_gate_is_not_sugg
     # RULES FN4: 'cupy' names cupy.mma.grouped_gemm.bf16, which the tiny intermediate size (32) turns down
     code, _, err = explain(capsys, "--model", "tiny_glm4_moe", "--sm", "90", "--tactic", "cupy.fp8_block_scales")
     assert code == 2
-    assert err.endswith("; no tactic of one family covers bf16: select by backend (moe_config.backend) instead (RULES FN4)\n")
+    assert err.endswith("; no tactic of one backend covers bf16: select by backend (moe_config.backend) instead (RULES FN4)\n")
 
 
 def test_an_implementation_that_does_not_run_on_the_sm_is_reported_per_candidate(capsys):

@@ -136,7 +136,7 @@ def test_a_draft_tactic_covering_only_the_target_format_is_refused_for_the_mixed
         "speculative_config.moe_tactic 'nvfp4' names no implementation of fp8_block_scales on sm_100, the format of "
         "draft layers 48 (per-layer entry 'mtp.layers.*.mlp.experts.*': FP8_BLOCK_SCALES); fp8_block_scales is served "
         "by torch.grouped_mm.grouped_gemm.fp8_block_scales ('grouped_mm.fp8_block_scales'), "
-        "torch.eager.loop.fp8_block_scales ('eager.fp8_block_scales'); no tactic of one family covers "
+        "torch.eager.loop.fp8_block_scales ('eager.fp8_block_scales'); no tactic of one backend covers "
         "fp8_block_scales: select by backend (speculative_config.moe_backend) instead (RULES FN4)"
     )
     (draft,) = drafts(resolve("qwen3_8_flash", Selection(spec_mode="mtp", draft_tactic="grouped_mm"), 100))
@@ -152,7 +152,7 @@ def test_an_excluded_mtp_layer_is_a_draft_layer_pinned_by_the_draft_tactic():
     assert error("qwen3_next", Selection(spec_mode="mtp", draft_tactic="nvfp4"), 100) == (
         "speculative_config.moe_tactic 'nvfp4' names no implementation of bf16 on sm_100, the format of draft layers "
         "48 (excluded from quantization by 'mtp*'); bf16 is served by torch.grouped_mm.grouped_gemm.bf16 "
-        "('grouped_mm.bf16'), torch.eager.loop.bf16 ('eager.bf16'); no tactic of one family covers bf16: select by "
+        "('grouped_mm.bf16'), torch.eager.loop.bf16 ('eager.bf16'); no tactic of one backend covers bf16: select by "
         "backend (speculative_config.moe_backend) instead (RULES FN4)"
     )
 
@@ -236,7 +236,7 @@ def test_nemotron_h_a_pinned_vanilla_target_needs_a_vanilla_draft_selection():
     with pytest.raises(ResolutionError):
         resolve("nemotron_h", Selection(tactic="eager", spec_mode="mtp"), 100)
     resolution = resolve("nemotron_h", Selection(tactic="eager", spec_mode="mtp", draft_backend="VANILLA"), 100)
-    assert {r.family for r in resolution.reports} == {"VANILLA"}
+    assert {r.backend for r in resolution.reports} == {"VANILLA"}
 
 
 def test_nemotron_h_accepts_both_or_neither_on_vanilla():
@@ -247,7 +247,7 @@ def test_nemotron_h_accepts_both_or_neither_on_vanilla():
         Selection(backend="TORCH", spec_mode="mtp", draft_tactic="grouped_mm"),
     ):
         resolution = resolve("nemotron_h", selection, 100)
-        assert len({r.family for r in resolution.reports}) == 1
+        assert len({r.backend for r in resolution.reports}) == 1
     (report, _) = resolve("nemotron_h", Selection(spec_mode="mtp"), 100).reports
     assert report.layers[:3] == (1, 3, 6) and len(report.layers) == 23  # the 'E' layers of the pattern
 
@@ -268,7 +268,7 @@ def test_a_draft_backend_without_eplb_consumers_is_refused_for_a_balanced_draft(
     # RULES DR6, RQ4
     assert error("deepseek_v3", Selection(spec_mode="mtp", eplb=True, draft_backend="VANILLA"), 90, SelectionError) == (
         "speculative_config.moe_backend 'VANILLA' under dynamic EPLB: no VANILLA implementation consumes EPLB plans; "
-        "families that do: TORCH (RULES RQ4)"
+        "backends that do: TORCH (RULES RQ4)"
     )
     assert error("deepseek_v3", Selection(spec_mode="mtp", eplb=True, draft_tactic="eager.fp8_block_scales"), 90, TacticError) == (
         "speculative_config.moe_tactic 'eager.fp8_block_scales' under dynamic EPLB names no implementation that "

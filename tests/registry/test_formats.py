@@ -309,7 +309,7 @@ def test_vanilla_counts_when_nothing_else_in_the_request_runs_on_the_sm():
     assert run_fmt("w4a16_mxfp4", 80, field="moe_config.tactic") == "w4a16_mxfp4"
 
 
-def test_a_family_that_publishes_the_sms_first_choice_gets_it():
+def test_a_backend_that_publishes_the_sms_first_choice_gets_it():
     # RULES FN2
     C = cupy_registry()
     assert run_fmt("AUTO", 100, C) == "w4a8_mxfp4_mxfp8"

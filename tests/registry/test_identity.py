@@ -9,7 +9,7 @@ import pytest
 from registry.errors import RegistryError
 from registry.identity import FIELDS, SEGMENT_RE, ImplId
 from registry.impls import AUTO, RUN_FORMATS, load_registry, load_registry_text
-from tests.registry.helpers import FAMILIES, cupy_registry, impl_toml, real_registry, small_registry_text
+from tests.registry.helpers import BACKENDS, cupy_registry, impl_toml, real_registry, small_registry_text
 
 
 def load_error(text: str) -> str:
@@ -114,33 +114,33 @@ def test_the_sm_is_eligibility_data_not_a_segment():
     assert not registry.impl("torch.grouped_mm.grouped_gemm.bf16").runs_on(80)
 
 
-# --- ID4: each entry declares its data; families are literals -------------------------------------
+# --- ID4: each entry declares its data; backends are literals -------------------------------------
 
 
-def test_every_entry_declares_family_priority_format_sms_cpu_capabilities_constraints_class_and_doc():
+def test_every_entry_declares_backend_priority_format_sms_cpu_capabilities_constraints_class_and_doc():
     # RULES ID4
     registry = real_registry()
     priorities = [i.priority for i in registry.impls]
     assert priorities == sorted(priorities) and len(set(priorities)) == len(priorities)
     for impl in registry.impls:
-        assert impl.family in registry.family_names
+        assert impl.backend in registry.backend_names
         assert impl.format == impl.id.quant and impl.format in RUN_FORMATS
-        assert impl.cpu is (impl.family not in ("CUPY", "TRITON"))  # TORCH and VANILLA run on the host CPU too
+        assert impl.cpu is (impl.backend not in ("CUPY", "TRITON"))  # TORCH and VANILLA run on the host CPU too
         assert impl.capabilities.activations
         assert impl.constraints.hidden_multiple >= 1 and impl.constraints.intermediate_multiple >= 1
         assert re.fullmatch(r"runtime\.experts\.[a-z_]+:[A-Z][A-Za-z0-9]*Experts", impl.class_path)
         assert impl.doc and "\n" not in impl.doc
 
 
-def test_the_project_families_are_torch_the_fallback_and_vanilla_which_never_degrades():
+def test_the_project_backends_are_torch_the_fallback_and_vanilla_which_never_degrades():
     # RULES ID4
     registry = real_registry()
     assert registry.literals == (AUTO, "CUPY", "TORCH", "TRITON", "VANILLA")
-    assert registry.fallback_family == "TORCH"
-    assert registry.family("VANILLA").never_degrades and not registry.family("VANILLA").fallback
-    assert {str(i.id).rsplit(".", 1)[0] for i in registry.impls if i.family == "VANILLA"} == {"torch.eager.loop"}
-    assert {str(i.id).rsplit(".", 1)[0] for i in registry.impls if i.family == "TORCH"} == {"torch.grouped_mm.grouped_gemm"}
-    assert {str(i.id).rsplit(".", 1)[0] for i in registry.impls if i.family == "CUPY"} == {"cupy.mma.grouped_gemm"}
+    assert registry.fallback_backend == "TORCH"
+    assert registry.backend("VANILLA").never_degrades and not registry.backend("VANILLA").fallback
+    assert {str(i.id).rsplit(".", 1)[0] for i in registry.impls if i.backend == "VANILLA"} == {"torch.eager.loop"}
+    assert {str(i.id).rsplit(".", 1)[0] for i in registry.impls if i.backend == "TORCH"} == {"torch.grouped_mm.grouped_gemm"}
+    assert {str(i.id).rsplit(".", 1)[0] for i in registry.impls if i.backend == "CUPY"} == {"cupy.mma.grouped_gemm"}
 
 
 def test_the_impls_are_kept_in_global_priority_order_whatever_the_file_order():
@@ -176,10 +176,10 @@ def test_an_unknown_activation_is_refused_with_the_known_ones():
     )
 
 
-def test_an_undeclared_family_is_refused_with_the_declared_ones():
+def test_an_undeclared_backend_is_refused_with_the_declared_ones():
     # RULES ID4
     assert load_error(small_registry_text(impl_toml("cupy.mma.k.bf16", "CUPY", 1))) == (
-        "test.toml: impl #3 (cupy.mma.k.bf16): family 'CUPY' is not declared; families: ['TORCH', 'VANILLA']"
+        "test.toml: impl #3 (cupy.mma.k.bf16): backend 'CUPY' is not declared; backends: ['TORCH', 'VANILLA']"
     )
 
 
@@ -205,8 +205,8 @@ def test_a_missing_key_is_named():
     # RULES ID4
     text = small_registry_text(impl_toml("cupy.mma.k.bf16", "TORCH", 1).replace("cpu = false\n", ""))
     assert load_error(text) == (
-        "test.toml: impl #3 (cupy.mma.k.bf16): missing keys ['cpu']; an entry sets exactly ['capabilities', "
-        "'class', 'constraints', 'cpu', 'doc', 'family', 'id', 'priority', 'sms', 'verified_sms', 'weights']"
+        "test.toml: impl #3 (cupy.mma.k.bf16): missing keys ['cpu']; an entry sets exactly ['backend', 'capabilities', "
+        "'class', 'constraints', 'cpu', 'doc', 'id', 'priority', 'sms', 'verified_sms', 'weights']"
     )
 
 
@@ -280,24 +280,37 @@ def test_a_value_of_the_wrong_type_is_a_registry_error_not_a_traceback():
 
 
 @pytest.mark.parametrize("name", ["Cupy", "AUTO", "9CUPY"])
-def test_a_family_name_is_an_upper_case_literal_other_than_auto(name):
+def test_a_backend_name_is_an_upper_case_literal_other_than_auto(name):
     # RULES ID4
-    families = FAMILIES + f'\n[families.{name}]\ndoc = "z"\n'
-    assert load_error(small_registry_text(families=families)) == (
-        f"test.toml: family {name}: a family name is an upper-case backend literal other than AUTO (RULES ID4)"
+    backends = BACKENDS + f'\n[backends.{name}]\ndoc = "z"\n'
+    assert load_error(small_registry_text(backends=backends)) == (
+        f"test.toml: backend {name}: a backend name is an upper-case literal other than AUTO (RULES ID4)"
     )
 
 
 @pytest.mark.parametrize(
-    "families",
+    "backends",
     [
-        '[families.TORCH]\ndoc = "x"\n[families.VANILLA]\ndoc = "y"\n',
-        '[families.TORCH]\ndoc = "x"\nfallback = true\n[families.VANILLA]\ndoc = "y"\nfallback = true\n',
+        '[backends.TORCH]\ndoc = "x"\n[backends.VANILLA]\ndoc = "y"\n',
+        '[backends.TORCH]\ndoc = "x"\nfallback = true\n[backends.VANILLA]\ndoc = "y"\nfallback = true\n',
     ],
 )
-def test_exactly_one_family_is_the_fallback(families):
-    # RULES ID4 (RQ1 needs one fallback family)
-    assert load_error(small_registry_text(families=families)) == "test.toml: exactly one family must declare fallback = true"
+def test_exactly_one_backend_is_the_fallback(backends):
+    # RULES ID4 (RQ1 needs one fallback backend)
+    assert load_error(small_registry_text(backends=backends)) == "test.toml: exactly one backend must declare fallback = true"
+
+
+def test_a_table_the_registry_does_not_hold_is_refused_by_name():
+    # RULES ID4: the backends table was once called `families`; no old spelling is read as anything.
+    old = small_registry_text().replace("[backends.", "[families.")
+    assert load_error(old) == (
+        "test.toml: unknown tables ['families']; a registry holds ['backends', 'impl', 'mxfp4_run_formats']"
+    )
+    entry = impl_toml("cupy.mma.k.bf16", "TORCH", 1).replace('backend = "TORCH"', 'family = "TORCH"')
+    assert load_error(small_registry_text(entry)) == (
+        "test.toml: impl #3 (cupy.mma.k.bf16): missing keys ['backend'], unknown keys ['family']; an entry sets exactly "
+        "['backend', 'capabilities', 'class', 'constraints', 'cpu', 'doc', 'id', 'priority', 'sms', 'verified_sms', 'weights']"
+    )
 
 
 @pytest.mark.parametrize(
@@ -326,8 +339,8 @@ def test_invalid_toml_is_a_registry_error():
     assert load_error("[[impl]\n") == "test.toml: not valid TOML: Expected ']]' at the end of an array declaration (at line 1, column 7)"
 
 
-def test_a_third_family_loads_next_to_the_project_ones():
-    # RULES ID4: a family is a backend literal; new ones are data.
+def test_a_third_backend_loads_next_to_the_project_ones():
+    # RULES ID4: a backend is named by its literal; new ones are data.
     registry = cupy_registry()
     assert registry.literals == (AUTO, "CUPY", "TORCH", "VANILLA")
     assert [str(i.id) for i in registry.impls[:3]] == [

@@ -12,7 +12,7 @@ from registry.model import DraftFacts
 from registry.model_resolve import resolve_model
 from registry.selection import Selection
 from registry.impls import load_registry_text
-from tests.registry.helpers import FAMILIES, cupy_registry, facts, impl_toml, project_models, site, small_registry_text
+from tests.registry.helpers import BACKENDS, cupy_registry, facts, impl_toml, project_models, site, small_registry_text
 
 C = cupy_registry()
 ODD = MoeShape(hidden_size=100, intermediate_size=512, num_experts=8, top_k=2, activation="silu_glu", expert_bias=False)
@@ -37,7 +37,7 @@ def test_a_pinned_tactic_with_no_eligible_candidate_fails_naming_the_field_and_e
     )
 
 
-def test_a_pinned_tactic_never_falls_back_even_when_another_family_could_serve():
+def test_a_pinned_tactic_never_falls_back_even_when_another_backend_could_serve():
     # RULES LR3, RQ2: AUTO would run VANILLA here; the pin does not.
     odd = facts(site(0, "bf16"), shape=ODD)
     assert resolve_model(odd, Selection(), sm=90).reports[0].winner == "torch.eager.loop.bf16"
@@ -62,7 +62,7 @@ def test_every_candidate_of_a_failing_pin_gives_its_reason_in_priority_order():
         small_registry_text(
             impl_toml("cupy.mma.grouped_gemm.bf16", "CUPY", 100, activations='["silu_glu"]'),
             impl_toml("cupy.wgmma.grouped_gemm.bf16", "CUPY", 101, sms="[90]"),
-            families=FAMILIES + '\n[families.CUPY]\ndoc = "c"\n',
+            backends=BACKENDS + '\n[backends.CUPY]\ndoc = "c"\n',
         )
     )
     assert error(facts(site(0, "bf16"), shape=RELU2), Selection(tactic="cupy"), 100, registry=two) == (
@@ -79,7 +79,7 @@ def test_a_literal_whose_own_candidates_all_reject_degrades_to_the_fallback_with
     # RULES LR4
     resolution = resolve_model(facts(site(0, "bf16"), site(1, "bf16"), shape=RELU2), Selection(backend="CUPY"), sm=100, registry=C)
     (report,) = resolution.reports
-    assert (report.winner, report.family, report.selected_by) == ("torch.grouped_mm.grouped_gemm.bf16", "TORCH", "fallback")
+    assert (report.winner, report.backend, report.selected_by) == ("torch.grouped_mm.grouped_gemm.bf16", "TORCH", "fallback")
     warning = (
         "moe_config.backend 'CUPY': no CUPY implementation can serve routed layers 0-1 (format bf16 on sm_100); "
         "degraded to torch.grouped_mm.grouped_gemm.bf16 (TORCH): cupy.mma.grouped_gemm.bf16: ACTIVATION_UNSUPPORTED "
@@ -155,7 +155,7 @@ def test_the_report_names_requested_winner_selected_by_alternatives_and_rejectio
         "field": "moe_config.backend",
         "winner": "torch.eager.loop.bf16",
         "winner_class": "runtime.experts.vanilla:TorchEagerBf16Experts",
-        "family": "VANILLA",
+        "backend": "VANILLA",
         "selected_by": "preferred",
         "weights": "unquantized, used as loaded",
         "verification": "runs on sm_90: verified (tests passed there)",

@@ -38,7 +38,7 @@ def cands(request) -> list[str]:
 # --- RQ1: literals -----------------------------------------------------------------------------------
 
 
-def test_a_family_literal_requests_its_family_then_the_fallback_family():
+def test_a_backend_literal_requests_its_backend_then_the_fallback_backend():
     # RULES RQ1
     request = moe_impl_request("CUPY", registry=C, field="moe_config.backend")
     assert cands(request) == CUPY_IDS + TORCH_IDS
@@ -154,13 +154,13 @@ def test_a_literal_under_dynamic_eplb_keeps_only_its_consumers_then_the_fallback
     assert request.own == 2
 
 
-def test_a_literal_whose_family_consumes_no_eplb_plans_is_refused():
+def test_a_literal_whose_backend_consumes_no_eplb_plans_is_refused():
     # RULES RQ4
     with pytest.raises(SelectionError) as info:
         moe_impl_request("VANILLA", eplb=True, registry=C, field="moe_config.backend")
     assert str(info.value) == (
         "moe_config.backend 'VANILLA' under dynamic EPLB: no VANILLA implementation consumes EPLB plans; "
-        "families that do: CUPY, TORCH (RULES RQ4)"
+        "backends that do: CUPY, TORCH (RULES RQ4)"
     )
 
 

@@ -25,25 +25,25 @@ def qwen3_next(policy: str | None = None):
     return dataclasses.replace(base, excluded_layers=policy) if policy else base
 
 
-# --- FN3: one family per format, after narrowing -------------------------------------------------
+# --- FN3: one backend per format, after narrowing -------------------------------------------------
 
 
-def test_a_tactic_naming_two_families_for_one_format_is_refused_with_a_tactic_per_family():
+def test_a_tactic_naming_two_backends_for_one_format_is_refused_with_a_tactic_per_backend():
     # RULES FN3
     bf16 = facts(site(0, "bf16"), site(1, "bf16"))
     assert refused(bf16, Selection(tactic="grouped_gemm.bf16"), 100, registry=C) == (
-        "moe_config.tactic 'grouped_gemm.bf16' names implementations of 2 families for bf16 (routed layers 0-1 "
-        "(test bf16)): CUPY, TORCH; pin one family: 'cupy.grouped_gemm.bf16' (CUPY), 'torch.grouped_gemm.bf16' "
+        "moe_config.tactic 'grouped_gemm.bf16' names implementations of 2 backends for bf16 (routed layers 0-1 "
+        "(test bf16)): CUPY, TORCH; pin one backend: 'cupy.grouped_gemm.bf16' (CUPY), 'torch.grouped_gemm.bf16' "
         "(TORCH) (RULES FN3)"
     )
 
 
-def test_the_fn3_check_on_the_project_registry_suggests_the_narrowest_pin_per_family():
+def test_the_fn3_check_on_the_project_registry_suggests_the_narrowest_pin_per_backend():
     # RULES FN3 (scenario gpt_oss_120b)
     gpt_oss = project_models()["gpt_oss_120b"].facts()
     assert refused(gpt_oss, Selection(tactic="w4a16_mxfp4"), 90) == (
-        "moe_config.tactic 'w4a16_mxfp4' names implementations of 3 families for w4a16_mxfp4 (routed layers 0-35 "
-        "(checkpoint quant_algo MXFP4)): CUPY, TORCH, VANILLA; pin one family: 'cupy.w4a16_mxfp4' (CUPY), "
+        "moe_config.tactic 'w4a16_mxfp4' names implementations of 3 backends for w4a16_mxfp4 (routed layers 0-35 "
+        "(checkpoint quant_algo MXFP4)): CUPY, TORCH, VANILLA; pin one backend: 'cupy.w4a16_mxfp4' (CUPY), "
         "'grouped_mm.w4a16_mxfp4' (TORCH), 'eager.w4a16_mxfp4' (VANILLA) (RULES FN3)"
     )
     # each suggested pin is accepted
@@ -52,7 +52,7 @@ def test_the_fn3_check_on_the_project_registry_suggests_the_narrowest_pin_per_fa
         assert resolve_model(gpt_oss, Selection(tactic=pin), sm=90).reports[0].winner == winner
 
 
-def test_a_tactic_spanning_families_is_accepted_when_the_layers_formats_narrow_it_to_one():
+def test_a_tactic_spanning_backends_is_accepted_when_the_layers_formats_narrow_it_to_one():
     # RULES FN3: 'grouped_gemm' names CUPY and TORCH, but only CUPY serves nvfp4.
     report = resolve_model(facts(site(0, "nvfp4")), Selection(tactic="grouped_gemm"), sm=100, registry=C).reports[0]
     assert (report.winner, report.selected_by) == ("cupy.mma.grouped_gemm.nvfp4", "pinned")
@@ -89,7 +89,7 @@ def test_a_layer_the_tactic_does_not_cover_lists_its_implementations_and_a_widen
     )
 
 
-def test_the_widened_tactic_drops_the_fewest_segments_within_one_family():
+def test_the_widened_tactic_drops_the_fewest_segments_within_one_backend():
     # RULES FN4
     mixed = facts(site(0, "nvfp4"), site(1, "nvfp4"), site(2, "bf16", excluded=True, source="excluded"))
     assert refused(mixed, Selection(tactic="cupy.nvfp4"), 100, registry=C) == (
@@ -99,18 +99,18 @@ def test_the_widened_tactic_drops_the_fewest_segments_within_one_family():
     )
 
 
-def test_when_no_tactic_of_one_family_covers_every_format_the_message_says_to_select_by_backend():
+def test_when_no_tactic_of_one_backend_covers_every_format_the_message_says_to_select_by_backend():
     # RULES FN4
     assert refused(qwen3_next("tactic"), Selection(tactic="nvfp4"), 100) == (
         "moe_config.tactic 'nvfp4' names no implementation of bf16 on sm_100, the format of excluded layers 0, 47 "
         "(excluded from quantization by 'model.layers.0.mlp.experts*'; excluded from quantization by "
         "'model.layers.47.mlp.experts*'); bf16 is served by torch.grouped_mm.grouped_gemm.bf16 ('grouped_mm.bf16'), "
-        "torch.eager.loop.bf16 ('eager.bf16'); no tactic of one family covers bf16, nvfp4: select by backend "
+        "torch.eager.loop.bf16 ('eager.bf16'); no tactic of one backend covers bf16, nvfp4: select by backend "
         "(moe_config.backend) instead (RULES FN4)"
     )
     assert refused(facts(site(0, "nvfp4")), Selection(tactic="grouped_mm"), 100) == (
         "moe_config.tactic 'grouped_mm' names no implementation of nvfp4 on sm_100, the format of routed layers 0 "
-        "(test nvfp4); nvfp4 is served by torch.eager.loop.nvfp4 ('nvfp4'); no tactic of one family covers nvfp4: "
+        "(test nvfp4); nvfp4 is served by torch.eager.loop.nvfp4 ('nvfp4'); no tactic of one backend covers nvfp4: "
         "select by backend (moe_config.backend) instead (RULES FN4)"
     )
 

@@ -11,19 +11,19 @@ import torch
 from runtime.formats import fp4, fp8, mxfp4, nvfp4
 from runtime.formats.act_quant import quantize_dequantize_activation
 
-WEIGHT_FAMILY = {"bf16": "bf16", "fp8_block_scales": "fp8", "w4a16_mxfp4": "mxfp4", "w4a8_mxfp4_fp8": "mxfp4",
+WEIGHT_KIND = {"bf16": "bf16", "fp8_block_scales": "fp8", "w4a16_mxfp4": "mxfp4", "w4a8_mxfp4_fp8": "mxfp4",
                  "w4a8_mxfp4_mxfp8": "mxfp4", "w4a16_nvfp4": "nvfp4", "nvfp4": "nvfp4"}
 FP4_MAX_X_FP8_MAX = 6 * 448
 
 
-def registry_classes(family: str | None = None) -> tuple[type, ...]:
-    """The runtime classes of a registry family's entries (None: every entry's), in priority order:
+def registry_classes(backend: str | None = None) -> tuple[type, ...]:
+    """The runtime classes of a registry backend's entries (None: every entry's), in priority order:
     registry/impls.toml is the one list of implementations (test_registry_agreement.py checks it against
     the classes under runtime/experts/, both ways)."""
     from registry.impls import load_registry
     from runtime.build import load_class
 
-    return tuple(load_class(i.class_path) for i in load_registry().impls if family in (None, i.family))
+    return tuple(load_class(i.class_path) for i in load_registry().impls if backend in (None, i.backend))
 
 
 def projections(spec):
@@ -37,7 +37,7 @@ def make_expert_tensors(spec, fmt, seed, weight_std=1.0, bias_std=0.5, input_ama
     NVFP4 gate and up share weight_scale_2 as ModelOpt writes them, and get distinct input scales.
     """
     g = torch.Generator().manual_seed(seed)
-    family = WEIGHT_FAMILY[fmt]
+    weight_kind = WEIGHT_KIND[fmt]
     h, i = spec.hidden_size, spec.intermediate_size
     out = {}
     for e in range(spec.num_experts):
@@ -49,11 +49,11 @@ def make_expert_tensors(spec, fmt, seed, weight_std=1.0, bias_std=0.5, input_ama
         shared_scale_2 = max(nvfp4.weight_scale_2(raw[p]) for p in projections(spec) if p != "down")
         for proj, w in raw.items():
             key = lambda kind: (e, proj, kind)   # noqa: E731
-            if family == "bf16":
+            if weight_kind == "bf16":
                 out[key("weight")] = w.bfloat16()
-            elif family == "fp8":
+            elif weight_kind == "fp8":
                 out[key("weight")], out[key("weight_scale_inv")] = fp8.quantize_weight_blocks(w)
-            elif family == "mxfp4":
+            elif weight_kind == "mxfp4":
                 out[key("weight")], out[key("weight_scale")] = mxfp4.quantize_mxfp4(w)
             else:
                 scale_2 = None if proj == "down" else shared_scale_2
@@ -70,20 +70,20 @@ def make_expert_tensors(spec, fmt, seed, weight_std=1.0, bias_std=0.5, input_ama
 
 def dequantize64(tensors, spec, fmt):
     """{(expert, proj): float64 [out, in]} straight from codes and scales."""
-    family = WEIGHT_FAMILY[fmt]
+    weight_kind = WEIGHT_KIND[fmt]
     e2m1 = fp4.e2m1_table(torch.float64)
     out = {}
     for e in range(spec.num_experts):
         for proj in projections(spec):
             t = lambda kind: tensors[e, proj, kind]   # noqa: E731
-            if family == "bf16":
+            if weight_kind == "bf16":
                 w = t("weight").double()
-            elif family == "fp8":
+            elif weight_kind == "fp8":
                 q = t("weight").double()
                 s = t("weight_scale_inv").double()
                 s = s.repeat_interleave(128, 0)[:q.shape[0]].repeat_interleave(128, 1)[:, :q.shape[1]]
                 w = q * s
-            elif family == "mxfp4":
+            elif weight_kind == "mxfp4":
                 values = e2m1[fp4.unpack_fp4(t("weight")).long()]
                 scale = torch.exp2(t("weight_scale").double() - 127)
                 w = values * scale.repeat_interleave(32, 1)
@@ -121,7 +121,7 @@ def _activation64(spec, gate, up):
 def reference_moe(hidden, topk_ids, topk_weights, tensors, spec, fmt, grouped_bf16=False):
     """float64 output [T, H] of the whole MoE layer (all experts, unsharded).
 
-    grouped_bf16 models the TORCH family's documented rounding points: weights rounded to bf16 at
+    grouped_bf16 models the TORCH backend's documented rounding points: weights rounded to bf16 at
     load, GEMM operands bf16, GEMM outputs rounded to bf16 before the bias.
     """
     bf16 = (lambda t: t.to(torch.bfloat16).double()) if grouped_bf16 else (lambda t: t)

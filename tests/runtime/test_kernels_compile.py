@@ -12,7 +12,7 @@ from runtime.kernels.build import compile_cubin, nvcc
 
 
 def _cupy_sms():
-    return sorted({sm for impl in load_registry().impls if impl.family == "CUPY" for sm in impl.sms})
+    return sorted({sm for impl in load_registry().impls if impl.backend == "CUPY" for sm in impl.sms})
 
 
 def test_every_kernel_source_is_built_by_the_loader():
@@ -34,7 +34,7 @@ def test_cupy_classes_construct_on_meta_without_cupy():
         "from registry.impls import load_registry\n"
         "from runtime.build import load_class\n"
         "from runtime.experts.base import ExpertParallel, MoeLayerSpec\n"
-        "classes = [load_class(i.class_path) for i in load_registry().impls if i.family == 'CUPY']\n"
+        "classes = [load_class(i.class_path) for i in load_registry().impls if i.backend == 'CUPY']\n"
         "assert classes and all(c.IMPL_ID.startswith('cupy.') for c in classes), classes\n"
         "for cls in classes:\n"
         "    for act in ('silu_glu', 'swiglu_oai', 'relu2'):\n"

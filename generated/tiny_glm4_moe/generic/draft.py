@@ -39,7 +39,7 @@ class Draft(MTPDraft):
         # draft layers under the draft's own selection (DR1, DR2).
         built = resolve_build(FACTS, PROFILES, checkpoint, sm, parallel, NUM_TARGET_LAYERS, selection)
         used = {impl for _, impl in built.draft_layers}
-        implementations = {i: (build.load_class(path), family) for i, (path, family) in built.implementations.items() if i in used}
+        implementations = {i: (build.load_class(path), backend) for i, (path, backend) in built.implementations.items() if i in used}
         super().__init__(
             ARCHITECTURE, RMS_NORM_EPS, target=TARGET, sm=sm, parallel=parallel, layout=Layout(*built.layout),
             implementations=implementations, cpu_impls=built.cpu_impls, layers=built.draft_layers, ignored=IGNORED_TENSORS,

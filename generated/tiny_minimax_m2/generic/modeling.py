@@ -125,7 +125,7 @@ class TinyMinimaxM2GenericForCausalLM(CausalLMBuild):
         # Only the target layers' implementations: the resolution also names the draft's, which this
         # build neither constructs (RULES LR6 logs what is constructed) nor has to run.
         implementations = {
-            i: (build.load_class(path), family) for i, (path, family) in built.implementations.items() if i in built.layers
+            i: (build.load_class(path), backend) for i, (path, backend) in built.implementations.items() if i in built.layers
         }
         super().__init__(
             ARCHITECTURE, target=TARGET, sm=sm, parallel=parallel, layout=Layout(*built.layout), implementations=implementations,

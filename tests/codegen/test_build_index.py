@@ -1,9 +1,9 @@
-"""The build index over a generated index (`registry/build_index.py` + `_router_index.py`; RULES TG5, TG6).
+"""The build index over a generated index (`registry/build_index.py` + `_build_index.py`; RULES TG5, TG6).
 
 A specialized build serves only a selection it claims *and* resolves to what it was built with;
 anything else goes to the generic build under `auto`, fails naming the criterion under `require`,
 and `off` always takes the generic build. The index is the one the generator renders, read back as
-the router reads it (no torch: the router is pure).
+`registry/build_index.py` reads it (no torch: the build index is pure).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ EAGER_REFUSAL = (
 
 @pytest.fixture(scope="module")
 def mymoe(tmp_path_factory):
-    """(index, facts) of the user model: the rendered _router_index.py, executed as Python."""
+    """(index, facts) of the user model: the rendered _build_index.py, executed as Python."""
     decl = find_model("mymoe", load_models(write_models(tmp_path_factory.mktemp("models"), mymoe=MYMOE)))
     plans = [target_plan(decl, t)[0] for t in decl.targets]
-    text = next(o.content for o in index_outputs(["mymoe"], plans) if o.path == "_router_index.py")
+    text = next(o.content for o in index_outputs(["mymoe"], plans) if o.path == "_build_index.py")
     namespace: dict = {}
-    exec(compile(text, "_router_index.py", "exec"), namespace)
+    exec(compile(text, "_build_index.py", "exec"), namespace)
     return namespace["INDEX"], decl.facts()
 
 
@@ -111,11 +111,11 @@ def test_an_unknown_mode_is_refused(mymoe):
 
 
 def test_the_checked_in_index_routes_each_declared_target_to_its_own_build(project):
-    # RULES TG6 on the repo's generated/_router_index.py and facts literals
+    # RULES TG6 on the repo's generated/_build_index.py and facts literals
     import importlib
 
     decls, registry, plans = project
-    index = importlib.import_module("generated._router_index").INDEX
+    index = importlib.import_module("generated._build_index").INDEX
     for model, (_, targets) in plans.items():
         facts_module = importlib.import_module(f"generated.{model}.facts")
         for planned in targets:
@@ -124,4 +124,4 @@ def test_the_checked_in_index_routes_each_declared_target_to_its_own_build(proje
             assert facts_to_literal(facts) == facts_module.FACTS[target.checkpoint]
             chosen = pick_build(index, facts, target.sm, target.parallel, Layout(*plan.layout), target.selection.selection())
             assert (chosen.kind, chosen.target) == ("specialized", target.name), chosen.reasons
-    assert (ROOT / "generated" / "_router_index.py").is_file()
+    assert (ROOT / "generated" / "_build_index.py").is_file()
