@@ -76,7 +76,9 @@ HIGH_PRECISION_ACTIVATIONS = (".bf16", ".w4a16_mxfp4", ".w4a16_nvfp4")
 
 def _decode_tolerance(model: torch.nn.Module) -> float:
     bound = {type(m).IMPL_ID for m in model.modules() if hasattr(type(m), "IMPL_ID")}
-    return 1e-3 if all(i.endswith(HIGH_PRECISION_ACTIVATIONS) for i in bound) else 2e-2
+    # 3e-3: fresh random inputs once gave 1.02e-3 (tiny_deepseek_v3, TORCH, a step's bf16 operand rounding
+    # deciding a near tie of its grouped routing); a stale cache or wrong position is off by ~1.
+    return 3e-3 if all(i.endswith(HIGH_PRECISION_ACTIVATIONS) for i in bound) else 2e-2
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
