@@ -187,24 +187,28 @@ class _CupyMmaExperts(ExpertsBase):
         return t
 
     # --- forward ----------------------------------------------------------------------------------
+    def _launch_inputs(self, hidden, topk_ids, topk_weights):
+        """What every GPU path of a forward starts from: the kernels, the stream, the poison flag and the
+        contiguous operands; None when there is nothing to compute (no tokens, or no experts on this rank)."""
+        if hidden.shape[0] == 0 or not self.expert_ids:
+            return None
+        device = hidden.device
+        if device.type != "cuda":
+            raise RuntimeError(f"{self.IMPL_ID} runs on a CUDA GPU (SM 9.0), not on {device}")
+        return (self._kernels(device), torch.cuda.current_stream(device).cuda_stream, self.debug_poison,
+                hidden.to(torch.bfloat16).contiguous(), topk_ids.to(torch.int64).contiguous(),
+                topk_weights.to(torch.float32).contiguous())
+
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 path: str | None = None, tile: tuple[int, int] | None = None) -> torch.Tensor:
         """The contract's forward; `path` and `tile` override `plan` (tests and measurements)."""
         self._check_inputs(hidden, topk_ids, topk_weights)
         spec, fmt = self.spec, self.FORMAT
-        tokens, hsize = hidden.shape
-        top_k = topk_ids.shape[1]
-        device = hidden.device
-        if tokens == 0 or not self.expert_ids:
-            return torch.zeros(hidden.shape, dtype=hidden.dtype, device=device)
-        if device.type != "cuda":
-            raise RuntimeError(f"{self.IMPL_ID} runs on a CUDA GPU (SM 9.0), not on {device}")
-        kern = self._kernels(device)
-        stream = torch.cuda.current_stream(device).cuda_stream
-        poison = self.debug_poison
-        x = hidden.to(torch.bfloat16).contiguous()
-        ids = topk_ids.to(torch.int64).contiguous()
-        weights = topk_weights.to(torch.float32).contiguous()
+        (tokens, hsize), top_k, device = hidden.shape, topk_ids.shape[1], hidden.device
+        launch = self._launch_inputs(hidden, topk_ids, topk_weights)
+        if launch is None:
+            return torch.zeros_like(hidden)
+        kern, stream, poison, x, ids, weights = launch
         n_local, inter = len(self.expert_ids), self.inter_size
         n1 = 2 * inter if spec.gated else inter
         pairs = tokens * top_k

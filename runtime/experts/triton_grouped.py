@@ -64,21 +64,13 @@ class _TritonGroupedExperts:
         from ..kernels import triton_grouped as T
 
         spec, fp8 = self.spec, self.FORMAT == "fp8_block_scales"
-        tokens, hsize = hidden.shape
-        top_k = topk_ids.shape[1]
-        device = hidden.device
-        if tokens == 0 or not self.expert_ids:
-            return torch.zeros(hidden.shape, dtype=hidden.dtype, device=device)
-        if device.type != "cuda":
-            raise RuntimeError(f"{self.IMPL_ID} runs on a CUDA GPU (SM 9.0), not on {device}")
+        (tokens, hsize), top_k, device = hidden.shape, topk_ids.shape[1], hidden.device
+        launch = self._launch_inputs(hidden, topk_ids, topk_weights)
+        if launch is None:
+            return torch.zeros_like(hidden)
         if fp8 and cfg1[1] != 128:
             raise ValueError(f"{self.IMPL_ID}: gemm1 quantizes the intermediate per 128 channels: BN must be 128")
-        kern = self._kernels(device)
-        stream = torch.cuda.current_stream(device).cuda_stream
-        poison = self.debug_poison
-        x = hidden.to(torch.bfloat16).contiguous()
-        ids = topk_ids.to(torch.int64).contiguous()
-        weights = topk_weights.to(torch.float32).contiguous()
+        kern, stream, poison, x, ids, weights = launch
         inter, pairs = self.inter_size, tokens * top_k
         max_tiles, offs, sorted_pair, sorted_expert, pair_pos, tile_expert, tile_row, num_tiles, total_ptr = \
             self._route(kern, stream, ids, pairs, cfg1[0])
