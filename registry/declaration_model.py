@@ -6,9 +6,10 @@ name its file and line. `Declaration.facts` is the model as the selection rules 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from dataclasses import fields
+from typing import Any, Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from contract import PARALLEL_NAME, Honored, Layout, layout_grammar
 from families import FAMILIES
@@ -16,7 +17,6 @@ from families.base import FamilySpec
 from registry.configs import CONFIGS, ConfigError, validate_config
 from registry.errors import DeclarationError, MoegenError
 from registry.formats import CHECKPOINT_ALGOS, CheckpointQuant, expert_format
-from registry.impls import AUTO
 from registry.model import DRAFT_KINDS, SPEC_MODES, DraftFacts, ModelFacts, MoeSite, layout_of
 from registry.selection import Selection
 
@@ -129,16 +129,17 @@ class ProfileDecl(_Strict):
         return self
 
 
-class SelectionDecl(_Strict):
-    backend: str = AUTO
-    tactic: str | None = None
-    eplb: bool = False
-    spec_mode: str | None = None
-    draft_backend: str | None = None
-    draft_tactic: str | None = None
-
+class _SelectionFields(_Strict):
     def selection(self) -> Selection:
         return Selection(**self.model_dump())
+
+
+# A target's [targets.selection]: exactly the fields of registry.selection.Selection (stated there once),
+# checked strictly like every other table.
+SelectionDecl = create_model(
+    "SelectionDecl", __base__=_SelectionFields,
+    **{f.name: (get_type_hints(Selection)[f.name], f.default) for f in fields(Selection)},
+)
 
 
 class TargetDecl(_Strict):
