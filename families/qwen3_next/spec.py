@@ -36,10 +36,12 @@ def check(c: Config) -> None:
 
 def describe(c: Config, rotary: str, base) -> tuple[str, str]:
     full = c["attention_layers"]   # normalized: the raw keys it came from are folded away
-    attention = (f"gated DeltaNet ({c['linear_num_key_heads']} key / {c['linear_num_value_heads']} value heads of "
-                 f"{c['linear_key_head_dim']}/{c['linear_value_head_dim']}, conv {c['linear_conv_kernel_dim']}) on "
-                 f"{c['num_hidden_layers'] - len(full)} layers, gated GQA ({c['num_attention_heads']} query / "
-                 f"{c['num_key_value_heads']} key-value heads of {c['head_dim']}) on {len(full)}")
+    linear = c["num_hidden_layers"] - len(full)
+    dims = {c["linear_key_head_dim"], c["linear_value_head_dim"]}
+    linear_dims = "/".join(str(d) for d in (c["linear_key_head_dim"], c["linear_value_head_dim"])) if len(dims) > 1 else str(*dims)
+    attention = (f"gated DeltaNet attention, {linear} layer{'s' if linear != 1 else ''} of {c['linear_num_key_heads']} key / {c['linear_num_value_heads']} "
+                 f"value heads of {linear_dims}; gated GQA, {len(full)} of {c['num_attention_heads']} query / "
+                 f"{c['num_key_value_heads']} kv heads of {c['head_dim']}")
     return attention, f"{rotary} on {c['rope']['rotary_dim']} of {c['head_dim']} dims (base {base})"
 
 

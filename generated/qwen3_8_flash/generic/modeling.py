@@ -5,7 +5,7 @@
 """qwen3_8_flash (qwen3_next), generic build: each MoE layer resolves when the model loads.
 
 48 decoder layers, all MoE; 512 routed experts, top-10.
-gated DeltaNet (16 key / 32 value heads of 128/128, conv 4) on 36 layers, gated GQA (16 query / 2 key-value heads of 256) on 12;
+gated DeltaNet attention, 36 layers of 16 key / 32 value heads of 128; gated GQA, 12 of 16 query / 2 kv heads of 256;
 rotary on 64 of 256 dims (base 10000).
 
 Serves any checkpoint, SM, parallel layout and selection of this model that no specialized build

@@ -5,7 +5,7 @@
 """tiny_qwen3_next (qwen3_next), generic build: each MoE layer resolves when the model loads.
 
 2 decoder layers, all MoE; 8 routed experts, top-2.
-gated DeltaNet (2 key / 4 value heads of 16/8, conv 4) on 1 layers, gated GQA (4 query / 2 key-value heads of 16) on 1;
+gated DeltaNet attention, 1 layer of 2 key / 4 value heads of 16/8; gated GQA, 1 of 4 query / 2 kv heads of 16;
 rotary on 4 of 16 dims (base 10000).
 
 Serves any checkpoint, SM, parallel layout and selection of this model that no specialized build
