@@ -23,7 +23,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {family: configs.defaults(family) for fami
 # drops, so a template can only read the resolved value and two configs that mean the same build
 # normalize equal (import-checkpoint relies on that to tell a harmless null from a meaningful one).
 _FOLDED = ("rope_scaling", "rope_parameters", "rope_theta", "partial_rotary_factor", "rotary_dim", "sliding_window",
-           "use_sliding_window", "layer_types")
+           "use_sliding_window", "layer_types", "full_attention_interval")
 
 
 def rope_parameters(config: dict, defaults: dict, rotary_factor=None) -> dict:
@@ -89,6 +89,9 @@ def normalize(family: str, config: dict, source: str = "the declaration") -> dic
         c["head_dim"] = head_dim
     c["rope"] = rope(config, DEFAULTS[family], head_dim, spec.rotary_factor, family)
     c["sliding_windows"] = spec.sliding_windows(c)
+    attention_layers = spec.attention_layers(c)
+    if attention_layers is not None:
+        c["attention_layers"] = attention_layers
     for key in _FOLDED:
         c.pop(key, None)
     return c

@@ -126,6 +126,11 @@ def full_attention(c: Config) -> tuple:
     return (None,) * c["num_hidden_layers"]
 
 
+def every_layer_attends(c: Config) -> None:
+    """No linear-attention layers: every layer's token mixer is the family's attention."""
+    return None
+
+
 def no_rotary_factor(config: Config, defaults: Config) -> float | None:
     return None
 
@@ -171,6 +176,8 @@ class FamilySpec:
     stores_head_dim: bool = True             # `head_dim` is a constant its template inlines
     rotary_factor: Callable[[Config, Config], float | None] = no_rotary_factor   # a legacy spelling of partial_rotary_factor
     sliding_windows: Callable[[Config], tuple] = full_attention
+    # A hybrid family's layers with full attention (the others run its linear mixer); None: every layer.
+    attention_layers: Callable[[Config], tuple[int, ...] | None] = every_layer_attends
     describe_attention: Callable[[Config, str, Any], tuple[str, str]] = describe_gqa
     mtp_draft: bool = False                  # the runtime builds its embedded and replacement-head MTP drafts
     mtp_refusal: str | None = None           # why no embedded MTP draft is built although the config declares one

@@ -38,6 +38,7 @@ Eps = Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False)]
 Identifier = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=100)]
 RopeType = Literal["default", "yarn", "llama3"]   # what runtime.ops.RotaryEmbedding builds
 LayerType = Literal["sliding_attention", "full_attention"]
+MixerType = Literal["linear_attention", "full_attention"]   # a hybrid model's token mixer per layer (Qwen3-Next)
 
 
 class _Typed(BaseModel):
@@ -80,7 +81,7 @@ class RopeScaling(_Typed):
 TYPES = {
     "dim": Dim, "layers": Layers, "count": Count, "index": Index, "positive": Positive, "non_negative": NonNegative,
     "fraction": Fraction, "eps": Eps, "bool": bool, "identifiers": list[Identifier], "indices": list[Index],
-    "rope": RopeScaling, "layer_types": list[LayerType],
+    "rope": RopeScaling, "layer_types": list[LayerType], "mixer_types": list[MixerType],
     "layer_pattern": Annotated[str, Field(pattern=r"^[M*E-]+$", max_length=MAX_LAYERS)],   # one letter per layer
 }
 

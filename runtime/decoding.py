@@ -130,10 +130,9 @@ class CausalLM(nn.Module):
     """
 
     def new_caches(self, batch_size, max_seq_len):
-        return [
-            layer.self_attn.new_cache(batch_size=batch_size, max_seq_len=max_seq_len, dtype=self.dtype, device=self.device)
-            for layer in self.model.layers
-        ]
+        # A layer whose token mixer is not `self_attn` (a recurrent linear attention) makes its own cache.
+        makers = [layer.new_cache if hasattr(layer, "new_cache") else layer.self_attn.new_cache for layer in self.model.layers]
+        return [make(batch_size=batch_size, max_seq_len=max_seq_len, dtype=self.dtype, device=self.device) for make in makers]
 
     def hidden_states(self, input_ids, positions=None, caches=None, aux_layers=()):
         """The final-norm hidden states `[B, S, H]` (what a draft reads); with `aux_layers`, also the outputs

@@ -8,6 +8,7 @@ and correction biases); build a model in its final dtype rather than calling `.t
 from runtime.ops.attention_core import attention
 from runtime.ops.eagle3 import Eagle3Head
 from runtime.ops.embedding import LMHead, VocabEmbedding
+from runtime.ops.gated_deltanet import GatedDeltaNet, RecurrentState
 from runtime.ops.gqa import GQAttention
 from runtime.ops.kv_cache import StaticCache
 from runtime.ops.linear import ColumnParallelLinear, RowParallelLinear
@@ -15,11 +16,11 @@ from runtime.ops.mla import MLAttention
 from runtime.ops.mlp import MLP, SharedExpertGate
 from runtime.ops.moe import MoEBlock
 from runtime.ops.mtp import MTPBlock, SharedHead
-from runtime.ops.norms import ProjectionRMSNorm, RMSNorm
+from runtime.ops.norms import GatedRMSNorm, ProjectionRMSNorm, RMSNorm
 from runtime.ops.rotary import RotaryEmbedding, apply_rotary, mla_softmax_scale
 
 __all__ = [
-    "ColumnParallelLinear", "Eagle3Head", "GQAttention", "LMHead", "MLAttention", "MLP", "MoEBlock", "MTPBlock",
-    "ProjectionRMSNorm", "RMSNorm", "RotaryEmbedding", "RowParallelLinear", "SharedExpertGate", "SharedHead",
+    "ColumnParallelLinear", "Eagle3Head", "GatedDeltaNet", "GatedRMSNorm", "GQAttention", "LMHead", "MLAttention", "MLP", "MoEBlock", "MTPBlock",
+    "ProjectionRMSNorm", "RecurrentState", "RMSNorm", "RotaryEmbedding", "RowParallelLinear", "SharedExpertGate", "SharedHead",
     "StaticCache", "VocabEmbedding", "apply_rotary", "attention", "mla_softmax_scale",
 ]

@@ -2,7 +2,9 @@
 
 One class, options as constructor arguments: projection biases (`qkv_bias` for GLM, `qkv_bias` and
 `o_bias` for gpt-oss), qk-norm per head (Qwen3, GLM `use_qk_norm`) or over the whole projection
-(MiniMax-M2 `qk_norm_type: per_layer`), sinks and a sliding window (gpt-oss). How many dims rotate is
+(MiniMax-M2 `qk_norm_type: per_layer`), sinks and a sliding window (gpt-oss), and Qwen3-Next's gated
+attention (`output_gate`: `q_proj` also yields one gate per head dim, the output is scaled by its sigmoid
+before `o_proj`; its per-head q/k norms are zero-centred, `zero_centered_qk_norm`). How many dims rotate is
 the width of the `cos`/`sin` the model passes in (partial rotary for GLM and MiniMax-M2). Under tensor parallelism the heads split over `tp_size` ranks; key/value heads split too, or
 are replicated when there are fewer of them than ranks (each rank then holds the one its query heads use).
 Submodules carry the checkpoint names: `q_proj k_proj v_proj o_proj q_norm k_norm sinks`.
@@ -48,6 +50,8 @@ class GQAttention(nn.Module):
         rms_norm_eps: float = 1e-6,
         sinks: bool = False,
         sliding_window: int | None = None,
+        output_gate: bool = False,
+        zero_centered_qk_norm: bool = False,
         softmax_scale: float | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
@@ -67,8 +71,10 @@ class GQAttention(nn.Module):
         self.local_kv_heads = num_kv_heads // kv_shard[1]
 
         q_out, kv_out = num_heads * head_dim, num_kv_heads * head_dim
+        self.output_gate = output_gate
+        # With the gate, each head's rows are [query, gate]: a split by heads keeps pairs together.
         self.q_proj = ColumnParallelLinear(
-            in_features=hidden_size, out_features=q_out, bias=qkv_bias, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype
+            in_features=hidden_size, out_features=2 * q_out if output_gate else q_out, bias=qkv_bias, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype
         )
         self.k_proj = ColumnParallelLinear(
             in_features=hidden_size, out_features=kv_out, bias=qkv_bias, shard=kv_shard, dtype=dtype
@@ -81,8 +87,8 @@ class GQAttention(nn.Module):
         )
         self.qk_norm = qk_norm
         if qk_norm == "head":
-            self.q_norm = RMSNorm(hidden_size=head_dim, eps=rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(hidden_size=head_dim, eps=rms_norm_eps, dtype=dtype)
+            norm = dict(hidden_size=head_dim, eps=rms_norm_eps, zero_centered=zero_centered_qk_norm, dtype=dtype)
+            self.q_norm, self.k_norm = RMSNorm(**norm), RMSNorm(**norm)
         elif qk_norm == "projection":
             self.q_norm = ProjectionRMSNorm(
                 hidden_size=q_out, eps=rms_norm_eps, tp_rank=tp_rank, tp_size=tp_size, dtype=dtype
@@ -112,6 +118,9 @@ class GQAttention(nn.Module):
     ) -> torch.Tensor:
         batch, seq, _ = hidden.shape
         q = self.q_proj(hidden)
+        if self.output_gate:
+            q, gate = q.view(batch, seq, self.local_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(batch, seq, -1), gate.reshape(batch, seq, -1)
         k = self.k_proj(hidden)
         v = self.v_proj(hidden).view(batch, seq, self.local_kv_heads, self.head_dim)
         if self.qk_norm == "projection":
@@ -131,4 +140,7 @@ class GQAttention(nn.Module):
         out = attention(
             q, k, v, positions, k_positions, self.scale, self.sliding_window, self.sinks, self_keys=cache is None
         )
-        return self.o_proj(out.reshape(batch, seq, -1))
+        out = out.reshape(batch, seq, -1)
+        if self.output_gate:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)

@@ -1,4 +1,4 @@
-"""RMS norms: the per-vector RMSNorm of every family, its zero-centred `1 + w` form, and a TP-split one.
+"""RMS norms: the per-vector RMSNorm of every family, its zero-centred `1 + w` form, a SiLU-gated one, and a TP-split one.
 
 The statistic is always computed in fp32. Where the weight is applied differs by family, and it shows in
 bf16: Llama-style models (DeepSeek, Qwen3, Mixtral, GLM, MiniMax) cast the normalised vector back to the
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from runtime import parallel
 from runtime.kernels import rms_norm as rms_norm_kernel
@@ -44,6 +45,21 @@ class RMSNorm(nn.Module):
             scale = self.weight.float() + 1.0 if self.zero_centered else self.weight.float()
             return (normed * scale).to(x.dtype)
         return self.weight * normed.to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """`forward(x, gate)`: `w * (x / rms(x))` cast to the input dtype, times `silu(gate)` in fp32 (Qwen3-Next's
+    gated DeltaNet output norm; `w` is applied as stored, not zero-centred)."""
+
+    def __init__(self, *, hidden_size: int, eps: float, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = float(eps)
+        self.weight = new_param(hidden_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
 
 
 class ProjectionRMSNorm(nn.Module):

@@ -65,7 +65,8 @@ def test_the_inlined_constants_mean_what_transformers_reads_from_the_same_keys(m
     assert math.isclose(mine.attention_scaling, theirs.attention_scaling, rel_tol=1e-12)
 
     assert ours.RMS_NORM_EPS == hc.rms_norm_eps
-    assert (ours.NUM_EXPERTS, ours.TOP_K) == (hc.num_local_experts, hc.num_experts_per_tok)
+    # Qwen3-Next's config class has no num_local_experts alias.
+    assert (ours.NUM_EXPERTS, ours.TOP_K) == (getattr(hc, "num_local_experts", None) or hc.num_experts, hc.num_experts_per_tok)
     if family == "deepseek_v3":
         assert (ours.Q_LORA_RANK, ours.KV_LORA_RANK) == (hc.q_lora_rank, hc.kv_lora_rank)
         assert (ours.QK_NOPE_HEAD_DIM, ours.QK_ROPE_HEAD_DIM, ours.V_HEAD_DIM) == (hc.qk_nope_head_dim, hc.qk_rope_head_dim, hc.v_head_dim)
@@ -90,6 +91,12 @@ def test_the_inlined_constants_mean_what_transformers_reads_from_the_same_keys(m
         assert ours.QK_NORM == ("head" if hc.use_qk_norm else "none")
     if family == "gpt_oss":
         assert ours.EXPERTS_SPEC.swiglu_limit == hc.swiglu_limit
+    if family == "qwen3_next":
+        assert ours.FULL_ATTENTION_LAYERS == tuple(i for i, t in enumerate(hc.layer_types) if t == "full_attention")
+        assert "linear_attention" in hc.layer_types
+        linear = (ours.LINEAR_NUM_KEY_HEADS, ours.LINEAR_NUM_VALUE_HEADS, ours.LINEAR_KEY_HEAD_DIM, ours.LINEAR_VALUE_HEAD_DIM)
+        assert linear == (hc.linear_num_key_heads, hc.linear_num_value_heads, hc.linear_key_head_dim, hc.linear_value_head_dim)
+        assert (ours.LINEAR_CONV_KERNEL, ours.SHARED_EXPERT_INTERMEDIATE_SIZE) == (hc.linear_conv_kernel_dim, hc.shared_expert_intermediate_size)
     # Any family (one added later included): a constant the build inlines equals the config attribute it comes from.
     for constant, key in _CONSTANT_KEYS.items():
         if hasattr(ours, constant) and hasattr(hc, key):

@@ -61,7 +61,9 @@ def test_an_external_drafter_of_an_explain_only_family_is_refused_by_generate(tm
     text = (MODELS / "tiny_kimi_k3.toml").read_text(encoding="utf-8").replace("tiny_kimi_k3", "mykimi")
     old = 'family = "qwen3_moe"\nconfig = { architectures = ["Qwen3MoeForCausalLM"], vocab_size = 512,'
     assert old in text
-    text = text.replace(old, 'family = "qwen3_next"\nconfig = { architectures = ["Qwen3NextForCausalLM"], vocab_size = 512,')
+    # Nemotron-H resolves and explains only; its required keys join the drafter's (unknown ones are dropped).
+    text = text.replace(old, 'family = "nemotron_h"\nconfig = { architectures = ["NemotronHForCausalLM"], vocab_size = 512, '
+                        'n_routed_experts = 8, hybrid_override_pattern = "ME",')
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "mykimi.toml").write_text(text, encoding="utf-8")
     out = tmp_path / "out"
@@ -69,7 +71,7 @@ def test_an_external_drafter_of_an_explain_only_family_is_refused_by_generate(tm
                  "--out", str(out)])
     assert code == 2 and not out.exists()
     assert capsys.readouterr().err == (
-        "error: mykimi_mxfp4__sm_90__tp1: the external drafter mykimi_drafter is of family qwen3_next, which the runtime "
+        "error: mykimi_mxfp4__sm_90__tp1: the external drafter mykimi_drafter is of family nemotron_h, which the runtime "
         "does not build; declare a drafter of a runtime family or a selection without this spec_mode\n")
 
 
