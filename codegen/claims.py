@@ -33,7 +33,7 @@ MODEL_ATTRIBUTES = frozenset({
     "resolution", "layers", "layout", "ep", "ep_rank", "moe_tp", "moe_tp_rank", "tp", "tp_rank", "world", "items",
     # the modules a build is made of (checkpoint names)
     "model", "embed_tokens", "self_attn", "mlp", "block_sparse_moe", "input_layernorm", "post_attention_layernorm",
-    "norm", "rotary_emb", "lm_head", "shared_head", "blocks", "new_cache", "hidden_states", "rank",
+    "norm", "rotary_emb", "lm_head", "shared_head", "blocks", "new_cache", "hidden_states", "rank", "mixer",
     # draft builds (MTP, generic MTP resolved at load, Eagle3, external drafters)
     "spec_mode", "draft_layers", "_layers", "head", "midlayer", "to_target_ids", "share_embedding",
 })

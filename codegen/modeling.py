@@ -62,8 +62,8 @@ def _architecture(spec: FamilySpec, c: dict, plan: BuildPlan) -> list[str]:
     layers = f"{len(plan.layers)} decoder layers, " + ("all MoE" if not dense else f"MoE {span(moe)}, dense {span(dense)}")
     shared = f" + {c['n_shared_experts']} shared" if spec.shared_experts else ""
     rope = c["rope"]
-    base = int(rope["base"]) if float(rope["base"]).is_integer() else rope["base"]
-    scaled = f" {rope['scaling']} x{rope['factor']:g}" if rope["scaling"] != "default" else ""
+    base = int(rope["base"]) if rope["base"] is not None and float(rope["base"]).is_integer() else rope["base"]
+    scaled = f" {rope['scaling']} x{rope['factor']:g}" if rope["scaling"] not in ("default", "none") else ""
     attention, rotary = spec.describe_attention(c, f"rotary{scaled}", base)
     first = f"{layers}; {c[spec.experts_key]} routed experts, top-{c['num_experts_per_tok']}{shared}."
     if len(attention) + len(rotary) < 100:

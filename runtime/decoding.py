@@ -130,8 +130,10 @@ class CausalLM(nn.Module):
     """
 
     def new_caches(self, batch_size, max_seq_len):
+        # A hybrid family's layer says what it keeps (a Mamba state, a KV cache, nothing); else its attention does.
         return [
-            layer.self_attn.new_cache(batch_size=batch_size, max_seq_len=max_seq_len, dtype=self.dtype, device=self.device)
+            (getattr(layer, "new_cache", None) or layer.self_attn.new_cache)(
+                batch_size=batch_size, max_seq_len=max_seq_len, dtype=self.dtype, device=self.device)
             for layer in self.model.layers
         ]
 

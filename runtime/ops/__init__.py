@@ -1,4 +1,4 @@
-"""Model ops that generated builds assemble: norms, rotary, attention, MLPs, MoE block, MTP, Eagle3, heads.
+"""Model ops that generated builds assemble: norms, rotary, attention, Mamba-2 mixers, MLPs, MoE block, MTP, Eagle3, heads.
 
 Constructors take explicit keyword arguments (numbers, booleans, short strings), never config objects,
 and name submodules and parameters as the checkpoints do (docs/runtime.md, "Model ops"). Parameters are
@@ -11,6 +11,7 @@ from runtime.ops.embedding import LMHead, VocabEmbedding
 from runtime.ops.gqa import GQAttention
 from runtime.ops.kv_cache import StaticCache
 from runtime.ops.linear import ColumnParallelLinear, RowParallelLinear
+from runtime.ops.mamba import Mamba2Mixer, MambaState
 from runtime.ops.mla import MLAttention
 from runtime.ops.mlp import MLP, SharedExpertGate
 from runtime.ops.moe import MoEBlock
@@ -19,7 +20,7 @@ from runtime.ops.norms import ProjectionRMSNorm, RMSNorm
 from runtime.ops.rotary import RotaryEmbedding, apply_rotary, mla_softmax_scale
 
 __all__ = [
-    "ColumnParallelLinear", "Eagle3Head", "GQAttention", "LMHead", "MLAttention", "MLP", "MoEBlock", "MTPBlock",
+    "ColumnParallelLinear", "Eagle3Head", "GQAttention", "LMHead", "MLAttention", "MLP", "Mamba2Mixer", "MambaState", "MoEBlock", "MTPBlock",
     "ProjectionRMSNorm", "RMSNorm", "RotaryEmbedding", "RowParallelLinear", "SharedExpertGate", "SharedHead",
     "StaticCache", "VocabEmbedding", "apply_rotary", "attention", "mla_softmax_scale",
 ]
