@@ -34,7 +34,7 @@ MODEL_ATTRIBUTES = frozenset({
     "resolution", "layers", "layout", "ep", "ep_rank", "moe_tp", "moe_tp_rank", "tp", "tp_rank", "world", "items",
     # the modules a build is made of (checkpoint names)
     "model", "embed_tokens", "self_attn", "linear_attn", "mlp", "block_sparse_moe", "input_layernorm", "post_attention_layernorm",
-    "norm", "rotary_emb", "lm_head", "hidden_states", "rank",
+    "norm", "rotary_emb", "lm_head", "hidden_states", "rank", "mixer",
     # a hybrid layer states its own decode state (Qwen3-Next's DeltaNet: `new_cache`)
     "new_cache",
     # generic MTP drafts, resolved at load

@@ -164,6 +164,7 @@ def published_config(config: dict, family: str) -> dict:
     """config.json's model keys under their published names (nulls kept)."""
     # transformers >= 5 writes some keys under its canonical name (the family's spec.published_names).
     renames = FAMILIES[family].published_names
+    config = FAMILIES[family].published_form(config)
     return {renames.get(k, k): v for k, v in config.items() if renames.get(k, k) not in _SKIP_KEYS}
 
 

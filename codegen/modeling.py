@@ -51,10 +51,13 @@ def _architecture(spec: FamilySpec, c: dict, plan: BuildPlan) -> list[str]:
     layers = f"{len(plan.layers)} decoder layers, " + ("all MoE" if not dense else f"MoE {span(moe)}, dense {span(dense)}")
     shared = f" + {c['n_shared_experts']} shared" if spec.shared_experts else ""
     rope = c["rope"]
-    base = int(rope["base"]) if float(rope["base"]).is_integer() else rope["base"]
-    scaled = f" {rope['scaling']} x{rope['factor']:g}" if rope["scaling"] != "default" else ""
+    base = int(rope["base"]) if rope["base"] is not None and float(rope["base"]).is_integer() else rope["base"]
+    scaled = f" {rope['scaling']} x{rope['factor']:g}" if rope["scaling"] not in ("default", "none") else ""
     attention, rotary = spec.describe_attention(c, f"rotary{scaled}", base)
     first = f"{layers}; {c[spec.experts_key]} routed experts, top-{c['num_experts_per_tok']}{shared}."
+    if len(first) > 120:   # interleaved layouts (Nemotron-H's pattern): counts only, the indices would not fit
+        layers = f"{len(plan.layers)} decoder layers, {len(moe)} MoE and {len(dense)} dense, interleaved"
+        first = f"{layers}; {c[spec.experts_key]} routed experts, top-{c['num_experts_per_tok']}{shared}."
     if len(attention) + len(rotary) < 100:
         return [first, f"{attention}; {rotary}."]
     return [first, f"{attention};", f"{rotary}."]
@@ -64,8 +67,11 @@ def _summary(plan: BuildPlan) -> list[str]:
     lines = []
     for report in plan.resolution.get("layers", []):
         kind = ROLE_NAMES[report["role"]]
+        where = span(tuple(report["layers"]))
+        if len(where) > 40:   # an interleaved layout's indices would not fit a line: LAYERS lists them
+            where = f"({len(report['layers'])}, LAYERS lists them)"
         lines.append(
-            f"MoE {kind} layers {span(tuple(report['layers']))} ({report['run_format']}): {report['winner']} "
+            f"MoE {kind} layers {where} ({report['run_format']}): {report['winner']} "
             f"({report['backend']}, {report['selected_by']})."
         )
         lines.append(f"  Weights {report['weights']}; {report['verification']}.")

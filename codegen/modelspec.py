@@ -32,7 +32,7 @@ def rope_parameters(config: dict, defaults: dict, rotary_factor=None) -> dict:
     over the top-level keys (a family's legacy spelling of the factor, `rotary_factor`, counts as top-level)."""
     params = dict(config.get("rope_scaling") or config.get("rope_parameters") or defaults.get("rope_scaling") or {})
     params["rope_type"] = params.get("rope_type") or params.pop("type", None) or "default"
-    params.setdefault("rope_theta", config.get("rope_theta", defaults["rope_theta"]))
+    params.setdefault("rope_theta", config.get("rope_theta", defaults.get("rope_theta")))
     factor = config.get("partial_rotary_factor", defaults.get("partial_rotary_factor"))
     if factor is None and rotary_factor is not None:
         factor = rotary_factor(config, defaults)
@@ -45,6 +45,9 @@ def rope(config: dict, defaults: dict, head_dim: int, rotary_factor=None, owner:
     """Rotary constants: kind, base, rotary dim and the scaling parameters (yarn / llama3); `head_dim` is
     the dimension rotary turns per head (a family's `spec.head_dim`)."""
     params = rope_parameters(config, defaults, rotary_factor)
+    if params["rope_theta"] is None:
+        # A family without rotary (Nemotron-H: no rope key, none in its config class): nothing rotates.
+        return {"scaling": "none", "base": None, "rotary_dim": 0}
     kind = params["rope_type"]
     rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
     out = {"scaling": kind, "base": float(params["rope_theta"]), "rotary_dim": rotary_dim}

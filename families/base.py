@@ -109,6 +109,11 @@ def no_check(config: Config) -> None:
     """A family without checks across its keys."""
 
 
+def as_published(config: Config) -> Config:
+    """A config.json already in its published spelling (every family but those that say otherwise)."""
+    return config
+
+
 # -- layer layouts and normalization hooks -------------------------------------------------------------
 
 
@@ -166,6 +171,9 @@ class FamilySpec:
     # transformers >= 5 writes some keys under its canonical name where the hub files (and so the
     # declarations) use the published one: canonical -> published (import-checkpoint).
     published_names: Mapping[str, str] = field(default_factory=dict)
+    # Where transformers >= 5 respells a key's structure, not just its name (Nemotron-H's layers_block_type
+    # for hybrid_override_pattern): config.json as saved -> its published spelling (import-checkpoint).
+    published_form: Callable[[Config], Config] = as_published
     # What a runtime family's build is made of (read by codegen; unused where runtime is False).
     router: str = ""                         # the runtime.routing class of its MoE gate
     attention_ops: tuple[str, ...] = ("GQAttention",)   # runtime.ops names its attention is built from

@@ -27,13 +27,16 @@ from runtime.parallel import Layout, attach_layout
 @dataclass(frozen=True)
 class Architecture:
     """How a build's decoder is made: its vocabulary and hidden sizes, and its file's layer builders
-    (`make_layer(index, experts_cls or None, layout, rank, dtype)`, `make_norm(dtype)`, `make_rotary()`)."""
+    (`make_layer(index, experts_cls or None, layout, rank, dtype)`, `make_norm(dtype)`, `make_rotary()`).
+    `names`: the checkpoint's names of the backbone, its embedding and its final norm, where they are not
+    `model`, `embed_tokens` and `norm` (Nemotron-H's `backbone`, `embeddings`, `norm_f`)."""
 
     vocab_size: int
     hidden_size: int
     make_layer: Callable
     make_norm: Callable
     make_rotary: Callable
+    names: tuple[str, str, str] = ("model", "embed_tokens", "norm")
 
 
 def layer_ids(runs) -> tuple[str | None, ...]:
@@ -51,12 +54,16 @@ class Backbone(nn.Module):
 
     def __init__(self, arch: Architecture, experts_classes, layout: Layout, rank: int, dtype: torch.dtype):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(
+        _, embed, norm = arch.names
+        setattr(self, embed, VocabEmbedding(
             vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, tp_rank=layout.tp_rank(rank), tp_size=layout.tp, dtype=dtype
-        )
+        ))
         self.layers = nn.ModuleList(arch.make_layer(i, cls, layout, rank, dtype) for i, cls in enumerate(experts_classes))
-        self.norm = arch.make_norm(dtype)
+        setattr(self, norm, arch.make_norm(dtype))
         self.rotary_emb = arch.make_rotary()
+        if (embed, norm) != ("embed_tokens", "norm"):
+            # Unregistered aliases under the names runtime.decoding reads (state_dict keeps the checkpoint's).
+            self.__dict__.update(embed_tokens=getattr(self, embed), norm=getattr(self, norm))
 
 
 class CausalLMBuild(CausalLM):
@@ -92,7 +99,9 @@ class CausalLMBuild(CausalLM):
         experts_classes = tuple(implementations[i][0] if i else None for i in layers)
         self.rank, self.device, self.dtype = rank, torch.device(device), dtype
         with torch.device(device):
-            self.model = Backbone(arch, experts_classes, layout, rank, dtype)
+            setattr(self, arch.names[0], Backbone(arch, experts_classes, layout, rank, dtype))
+            if arch.names[0] != "model":
+                self.__dict__["model"] = getattr(self, arch.names[0])   # the alias runtime.decoding reads
             self.lm_head = LMHead(
                 hidden_size=arch.hidden_size, vocab_size=arch.vocab_size, tp_rank=layout.tp_rank(rank), tp_size=layout.tp, dtype=dtype
             )

@@ -130,7 +130,7 @@ class CausalLM(nn.Module):
     """
 
     def new_caches(self, batch_size, max_seq_len):
-        # A layer whose token mixer is not `self_attn` (a recurrent linear attention) makes its own cache.
+        # A layer whose token mixer is not `self_attn` (a recurrent linear attention, a Mamba mixer) makes its own cache.
         makers = [layer.new_cache if hasattr(layer, "new_cache") else layer.self_attn.new_cache for layer in self.model.layers]
         return [make(batch_size=batch_size, max_seq_len=max_seq_len, dtype=self.dtype, device=self.device) for make in makers]
 

@@ -1,4 +1,4 @@
-"""Model ops that generated builds assemble: norms, rotary, attention, MLPs, MoE block, MTP, Eagle3, heads.
+"""Model ops that generated builds assemble: norms, rotary, attention, Mamba-2 mixers, MLPs, MoE block, MTP, Eagle3, heads.
 
 Constructors take explicit keyword arguments (numbers, booleans, short strings), never config objects,
 and name submodules and parameters as the checkpoints do (docs/runtime.md, "Model ops"). Parameters are
@@ -12,6 +12,7 @@ from runtime.ops.gated_deltanet import GatedDeltaNet, RecurrentState
 from runtime.ops.gqa import GQAttention
 from runtime.ops.kv_cache import StaticCache
 from runtime.ops.linear import ColumnParallelLinear, RowParallelLinear
+from runtime.ops.mamba import Mamba2Mixer, MambaState
 from runtime.ops.mla import MLAttention
 from runtime.ops.mlp import MLP, SharedExpertGate
 from runtime.ops.moe import MoEBlock
@@ -20,7 +21,8 @@ from runtime.ops.norms import GatedRMSNorm, ProjectionRMSNorm, RMSNorm
 from runtime.ops.rotary import RotaryEmbedding, apply_rotary, mla_softmax_scale
 
 __all__ = [
-    "ColumnParallelLinear", "Eagle3Head", "GatedDeltaNet", "GatedRMSNorm", "GQAttention", "LMHead", "MLAttention", "MLP", "MoEBlock", "MTPBlock",
-    "ProjectionRMSNorm", "RecurrentState", "RMSNorm", "RotaryEmbedding", "RowParallelLinear", "SharedExpertGate", "SharedHead",
+    "ColumnParallelLinear", "Eagle3Head", "GatedDeltaNet", "GatedRMSNorm", "GQAttention", "LMHead", "MLAttention", "MLP", "Mamba2Mixer",
+    "MambaState", "MoEBlock", "MTPBlock", "ProjectionRMSNorm", "RecurrentState", "RMSNorm", "RotaryEmbedding", "RowParallelLinear",
+    "SharedExpertGate", "SharedHead",
     "StaticCache", "VocabEmbedding", "apply_rotary", "attention", "mla_softmax_scale",
 ]

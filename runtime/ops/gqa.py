@@ -53,6 +53,7 @@ class GQAttention(nn.Module):
         output_gate: bool = False,
         zero_centered_qk_norm: bool = False,
         softmax_scale: float | None = None,
+        rotary: bool = True,
         tp_rank: int = 0,
         tp_size: int = 1,
         dtype: torch.dtype | None = None,
@@ -64,6 +65,7 @@ class GQAttention(nn.Module):
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.head_dim = head_dim
         self.interleaved_rope = interleaved_rope
+        self.rotary = rotary   # False: no position rotation at all (Nemotron-H: its Mamba layers carry positions)
         self.sliding_window = sliding_window
         self.scale = head_dim**-0.5 if softmax_scale is None else float(softmax_scale)
         self.local_heads = split(num_heads, tp_size, "num_attention_heads")
@@ -129,8 +131,9 @@ class GQAttention(nn.Module):
         k = k.view(batch, seq, self.local_kv_heads, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, cos, sin, self.interleaved_rope)
-        k = apply_rotary(k, cos, sin, self.interleaved_rope)
+        if self.rotary:
+            q = apply_rotary(q, cos, sin, self.interleaved_rope)
+            k = apply_rotary(k, cos, sin, self.interleaved_rope)
 
         if cache is None:
             k, v, k_positions = k.transpose(1, 2), v.transpose(1, 2), positions

@@ -44,6 +44,9 @@ _CONSTANT_KEYS = {
     "NUM_KV_HEADS": "num_key_value_heads", "NORM_TOPK_PROB": "norm_topk_prob", "ATTENTION_BIAS": "attention_bias",
     "N_GROUP": "n_group", "TOPK_GROUP": "topk_group", "NUM_SHARED_EXPERTS": "n_shared_experts",
     "ROUTED_SCALING_FACTOR": "routed_scaling_factor", "RMS_NORM_EPS": "rms_norm_eps",
+    "INTERMEDIATE_SIZE": "intermediate_size", "MOE_INTERMEDIATE_SIZE": "moe_intermediate_size",
+    "MAMBA_NUM_HEADS": "mamba_num_heads", "MAMBA_HEAD_DIM": "mamba_head_dim", "SSM_STATE_SIZE": "ssm_state_size",
+    "N_GROUPS": "n_groups", "CONV_KERNEL": "conv_kernel", "USE_CONV_BIAS": "use_conv_bias",
 }
 
 
@@ -52,17 +55,23 @@ def test_the_inlined_constants_mean_what_transformers_reads_from_the_same_keys(m
     family = builds.facts(model).FAMILY
     ours = builds.load(f"generated.{model}.generic.modeling")
     hc = builds.hf_config(model)
-    rope = hc.rope_parameters
-
-    # Rotary: kind, base, rotated dims, and the tables themselves (YaRN's ramp and attention factor).
     # (OLMoE's config class has no head_dim attribute at all: transformers falls back the same way.)
     head_dim = hc.qk_rope_head_dim if family == "deepseek_v3" else getattr(hc, "head_dim", None) or hc.hidden_size // hc.num_attention_heads
-    assert (ours.ROPE["scaling"], ours.ROPE["base"]) == (rope["rope_type"], rope["rope_theta"])
-    assert ours.ROPE["rotary_dim"] == int(head_dim * rope.get("partial_rotary_factor", 1.0))
-    theirs = _hf_class(family, "RotaryEmbedding")(hc)
-    mine = RotaryEmbedding(**ours.ROPE)
-    torch.testing.assert_close(mine.inv_freq, theirs.inv_freq.float(), rtol=1e-6, atol=0)
-    assert math.isclose(mine.attention_scaling, theirs.attention_scaling, rel_tol=1e-12)
+    if family == "nemotron_h":
+        # No rotary in transformers' Nemotron-H (no rope key, no RotaryEmbedding): the build inlines none either.
+        assert not hasattr(hc, "rope_parameters") and not hasattr(ours, "ROPE")
+        assert ours.LAYER_NORM_EPS == hc.layer_norm_epsilon and ours.PATTERN == hc.hybrid_override_pattern
+        assert ours.TIME_STEP_MIN == hc.time_step_min and ours.SHARED_INTERMEDIATE_SIZE == hc.moe_shared_expert_intermediate_size
+    else:
+        # Rotary: kind, base, rotated dims, and the tables themselves (YaRN's ramp and attention factor).
+        rope = hc.rope_parameters
+        assert (ours.ROPE["scaling"], ours.ROPE["base"]) == (rope["rope_type"], rope["rope_theta"])
+        assert ours.ROPE["rotary_dim"] == int(head_dim * rope.get("partial_rotary_factor", 1.0))
+        theirs = _hf_class(family, "RotaryEmbedding")(hc)
+        mine = RotaryEmbedding(**ours.ROPE)
+        torch.testing.assert_close(mine.inv_freq, theirs.inv_freq.float(), rtol=1e-6, atol=0)
+        assert math.isclose(mine.attention_scaling, theirs.attention_scaling, rel_tol=1e-12)
+        assert ours.RMS_NORM_EPS == hc.rms_norm_eps
 
     assert ours.RMS_NORM_EPS == hc.rms_norm_eps
     # Qwen3-Next's config class has no num_local_experts alias.
