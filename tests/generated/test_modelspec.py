@@ -73,7 +73,6 @@ def test_the_inlined_constants_mean_what_transformers_reads_from_the_same_keys(m
         assert math.isclose(mine.attention_scaling, theirs.attention_scaling, rel_tol=1e-12)
         assert ours.RMS_NORM_EPS == hc.rms_norm_eps
 
-    assert ours.RMS_NORM_EPS == hc.rms_norm_eps
     # Qwen3-Next's config class has no num_local_experts alias.
     assert (ours.NUM_EXPERTS, ours.TOP_K) == (getattr(hc, "num_local_experts", None) or hc.num_experts, hc.num_experts_per_tok)
     if family == "deepseek_v3":

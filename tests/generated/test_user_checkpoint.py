@@ -87,9 +87,8 @@ def _config_only(name: str, architecture: str) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "NemotronHForCausalLM"])
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "DbrxForCausalLM"])
 def test_import_refuses_an_architecture_the_runtime_does_not_build_listing_the_families(architecture):
-    # Nemotron-H is a declared family (its layers resolve and explain) that the runtime cannot build.
     folder = _config_only(f"unsupported-{architecture}", architecture)
     with pytest.raises(DeclarationError) as refused:
         import_checkpoint(folder, None, None)
@@ -97,7 +96,7 @@ def test_import_refuses_an_architecture_the_runtime_does_not_build_listing_the_f
         f"{folder}: architecture {architecture} is not supported; the runtime builds the families "
         + ", ".join(RUNTIME_FAMILIES)   # one folder each under families/, with a template
     )
-    assert RUNTIME_FAMILIES[:4] == ("deepseek_v3", "glm4_moe", "gpt_oss", "minimax_m2") and "nemotron_h" not in RUNTIME_FAMILIES
+    assert RUNTIME_FAMILIES[:4] == ("deepseek_v3", "glm4_moe", "gpt_oss", "minimax_m2") and "nemotron_h" in RUNTIME_FAMILIES
 
 
 def test_the_command_line_refusal_is_a_message_and_exit_code_2():

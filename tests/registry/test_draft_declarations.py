@@ -57,11 +57,16 @@ def test_an_eagle3_head_with_another_vocabulary_or_without_a_config_is_refused(t
         "draft_vocab_size, hidden_size, target_hidden_size, intermediate_size, num_attention_heads, num_key_value_heads, head_dim")
 
 
-def test_an_external_drafter_of_an_explain_only_family_is_refused_by_generate(tmp_path, capsys):
+def test_an_external_drafter_of_an_explain_only_family_is_refused_by_generate(tmp_path, capsys, monkeypatch):
+    # Every shipped family builds now; a spec-only folder (runtime=False) is what a new family starts as.
+    import dataclasses
+
+    from families import FAMILIES
+    monkeypatch.setitem(FAMILIES, "nemotron_h", dataclasses.replace(FAMILIES["nemotron_h"], runtime=False))
     text = (MODELS / "tiny_kimi_k3.toml").read_text(encoding="utf-8").replace("tiny_kimi_k3", "mykimi")
     old = 'family = "qwen3_moe"\nconfig = { architectures = ["Qwen3MoeForCausalLM"], vocab_size = 512,'
     assert old in text
-    # Nemotron-H resolves and explains only; its required keys join the drafter's (unknown ones are dropped).
+    # Its required keys join the drafter's (unknown ones are dropped).
     text = text.replace(old, 'family = "nemotron_h"\nconfig = { architectures = ["NemotronHForCausalLM"], vocab_size = 512, '
                         'n_routed_experts = 8, hybrid_override_pattern = "ME",')
     (tmp_path / "models").mkdir()
