@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from runtime import parallel
-from runtime.graphs import capture
+from runtime.graphs import advanced_in_place, capture
 
 # Buckets: a decoder (and its graph) is made per batch rounded up to a power of two and per length
 # rounded up to a multiple of LENGTH_BUCKET, so nearby requests reuse one capture.
@@ -81,7 +81,7 @@ class Decoder:
         return logits
 
     def _capture(self) -> None:
-        self.graph, self.logits = capture(self._step, state=(self.position,))
+        self.graph, self.logits = capture(self._step, state=(self.position, *advanced_in_place(self.caches)))
 
 
 @dataclass

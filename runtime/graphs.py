@@ -32,3 +32,11 @@ def capture(step: Callable[[], object], state: Sequence[torch.Tensor] = (),
     with torch.cuda.graph(graph):
         out = step()
     return graph, out
+
+
+def advanced_in_place(caches) -> tuple[torch.Tensor, ...]:
+    """The tensors of `caches` a step advances from their old value (a recurrent layer's conv and memory
+    states), which `capture` must restore after its warm-up; a KV cache is written at the step's position,
+    so the first replay rewrites what the warm-up wrote, and it needs nothing."""
+    return tuple(t for cache in caches for t in getattr(cache, "advanced_in_place", ()))
+

@@ -35,6 +35,11 @@ class RecurrentState:
         self.conv = torch.zeros(batch_size, conv_dim, kernel - 1, dtype=dtype, device=device)
         self.memory = torch.zeros(batch_size, v_heads, k_dim, v_dim, dtype=torch.float32, device=device)
 
+    @property
+    def advanced_in_place(self) -> tuple[torch.Tensor, ...]:
+        """What a step updates from its old value (not a slot at its position): a graph's warm-up must undo it."""
+        return (self.conv, self.memory)
+
 
 class DepthwiseConv(nn.Module):
     """The checkpoint's `conv1d.weight [channels, 1, kernel]`, no bias (applied by `GatedDeltaNet`)."""

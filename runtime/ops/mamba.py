@@ -32,6 +32,11 @@ class MambaState:
         # accumulates over the whole sequence.
         self.ssm = torch.zeros(batch_size, num_heads, head_dim, state_size, dtype=torch.float32, device=device)
 
+    @property
+    def advanced_in_place(self) -> tuple[torch.Tensor, ...]:
+        """What a step updates from its old value (not a slot at its position): a graph's warm-up must undo it."""
+        return (self.conv, self.ssm)
+
 
 class CausalConv1d(nn.Module):
     """`conv1d.weight [channels, 1, kernel]`, `conv1d.bias [channels]`: a depthwise conv over positions."""
