@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.runtime.helpers_oracle import randomise_and_copy
 from runtime.ops.gqa import GQAttention, kv_head_shard
 from runtime.ops.mla import MLAttention
 from runtime.ops.rotary import RotaryEmbedding, mla_softmax_scale
@@ -27,19 +28,6 @@ def _config(family, **kw):
     config = AutoConfig.for_model(family, **{**base, **kw})
     config._attn_implementation = "eager"
     return config
-
-
-@torch.no_grad()
-def _randomise_and_copy(theirs, ours, seed):
-    g = torch.Generator().manual_seed(seed)
-    for name, t in theirs.named_parameters():
-        fresh = torch.randn(t.shape, generator=g)
-        fresh = 1.0 + 0.2 * fresh if "norm" in name else 0.15 * fresh
-        t.copy_(fresh.to(t.dtype))
-    ours_params = dict(ours.named_parameters())
-    assert set(ours_params) == {n for n, _ in theirs.named_parameters()}
-    for name, t in theirs.named_parameters():
-        ours_params[name].copy_(t)
 
 
 def _mask(config, x, sliding):
@@ -88,7 +76,7 @@ def test_gqa_with_head_qk_norm_matches_qwen3_moe(dtype):
     config = _config("qwen3_moe", head_dim=16, rope_parameters=dict(rope_type="default", rope_theta=1e6))
     theirs = m.Qwen3MoeAttention(config, 0)
     ours = GQAttention(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm="head", rms_norm_eps=1e-6)
-    _randomise_and_copy(theirs, ours, 0)
+    randomise_and_copy(theirs, ours, 0)
     x, out = _compare(ours, theirs, m.Qwen3MoeRotaryEmbedding(config), RotaryEmbedding(rotary_dim=16, base=1e6),
                       config, dtype, 1)
     if dtype == torch.float32:
@@ -102,7 +90,7 @@ def test_plain_gqa_matches_mixtral(dtype):
     config = _config("mixtral", head_dim=16, rope_parameters=dict(rope_type="default", rope_theta=1e6))
     theirs = m.MixtralAttention(config, 0)
     ours = GQAttention(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
-    _randomise_and_copy(theirs, ours, 2)
+    randomise_and_copy(theirs, ours, 2)
     _compare(ours, theirs, m.MixtralRotaryEmbedding(config), RotaryEmbedding(rotary_dim=16, base=1e6), config, dtype, 3)
 
 
@@ -116,7 +104,7 @@ def test_gqa_with_qkv_bias_and_partial_rotary_matches_glm4_moe(dtype, use_qk_nor
     theirs = m.Glm4MoeAttention(config, 0)
     ours = GQAttention(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True,
                        qk_norm="head" if use_qk_norm else "none", rms_norm_eps=config.rms_norm_eps)
-    _randomise_and_copy(theirs, ours, 4)
+    randomise_and_copy(theirs, ours, 4)
     rope = RotaryEmbedding(rotary_dim=8, base=1e4)
     x, out = _compare(ours, theirs, m.Glm4MoeRotaryEmbedding(config), rope, config, dtype, 5)
     if dtype == torch.float32:
@@ -132,7 +120,7 @@ def test_gqa_with_projection_qk_norm_matches_minimax_m2(dtype):
     theirs = m.MiniMaxM2Attention(config, 0)
     ours = GQAttention(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm="projection",
                        rms_norm_eps=config.rms_norm_eps)
-    _randomise_and_copy(theirs, ours, 6)
+    randomise_and_copy(theirs, ours, 6)
     rope = RotaryEmbedding(rotary_dim=8, base=5e6)
     x, out = _compare(ours, theirs, m.MiniMaxM2RotaryEmbedding(config), rope, config, dtype, 7)
     if dtype == torch.float32:
@@ -151,7 +139,7 @@ def test_gqa_with_sinks_biases_and_window_matches_gpt_oss(dtype, layer):
     window = 4 if layer == 0 else None
     ours = GQAttention(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True, o_bias=True,
                        sinks=True, sliding_window=window)
-    _randomise_and_copy(theirs, ours, 8)
+    randomise_and_copy(theirs, ours, 8)
     with torch.no_grad():
         theirs.sinks.mul_(10)  # sinks large enough to matter
         ours.sinks.copy_(theirs.sinks)
@@ -180,7 +168,7 @@ def test_mla_matches_deepseek_v3(dtype, q_lora_rank):
     assert scale == pytest.approx(theirs.scaling) and scale != pytest.approx(24**-0.5)
     ours = MLAttention(hidden_size=64, num_heads=4, q_lora_rank=q_lora_rank, kv_lora_rank=24, qk_nope_head_dim=16,
                        qk_rope_head_dim=8, v_head_dim=12, softmax_scale=scale, rms_norm_eps=config.rms_norm_eps)
-    _randomise_and_copy(theirs, ours, 10)
+    randomise_and_copy(theirs, ours, 10)
     our_rope = RotaryEmbedding(rotary_dim=8, base=10000.0, scaling="yarn", factor=4.0,
                                original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=1.0)
     x, out = _compare(ours, theirs, m.DeepseekV3RotaryEmbedding(config), our_rope, config, dtype, 11)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.runtime.helpers_oracle import randomise_and_copy
 from runtime.ops import GatedDeltaNet, GQAttention, RotaryEmbedding
 
 B, S = 2, 12
@@ -28,25 +29,13 @@ def _config():
     return config
 
 
-@torch.no_grad()
-def _randomise_and_copy(theirs, ours, seed):
-    g = torch.Generator().manual_seed(seed)
-    for name, t in theirs.named_parameters():
-        fresh = torch.randn(t.shape, generator=g)
-        t.copy_((1.0 + 0.2 * fresh if "norm" in name else 0.15 * fresh).to(t.dtype))
-    ours_params = dict(ours.named_parameters())
-    assert set(ours_params) == {n for n, _ in theirs.named_parameters()}
-    for name, t in theirs.named_parameters():
-        ours_params[name].copy_(t)
-
-
 def _deltanet(seed=0):
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
     theirs = Qwen3NextGatedDeltaNet(_config(), 0).eval()
     ours = GatedDeltaNet(hidden_size=64, num_k_heads=2, num_v_heads=4, k_head_dim=16, v_head_dim=8, conv_kernel=4,
                          rms_norm_eps=1e-6, dtype=torch.float32)
-    _randomise_and_copy(theirs, ours, seed)
+    randomise_and_copy(theirs, ours, seed)
     return theirs, ours
 
 
@@ -84,7 +73,7 @@ def test_the_gated_attention_computes_transformers_outputs():
     theirs = Qwen3NextAttention(config, 1).eval()
     ours = GQAttention(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm="head", output_gate=True,
                        zero_centered_qk_norm=True, rms_norm_eps=1e-6, dtype=torch.float32)
-    _randomise_and_copy(theirs, ours, seed=4)
+    randomise_and_copy(theirs, ours, seed=4)
     x = torch.randn(B, S, 64, generator=torch.Generator().manual_seed(5))
     positions = torch.arange(S)
     rope = config.rope_parameters
