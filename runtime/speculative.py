@@ -29,7 +29,7 @@ from torch import nn
 from runtime.acceptance import accept_sampled, draw, near_ties, nucleus
 from runtime.decoding import Generation, batch_bucket, length_bucket, sync
 from runtime.drafts import ExternalDrafter, draft_input, vocab_size
-from runtime.graphs import capture
+from runtime.graphs import advanced_in_place, capture
 
 log = logging.getLogger("moegen")
 
@@ -225,6 +225,7 @@ class SpeculativeDecoder:
         # would draw other numbers than one that only replays: `capture` restores it too.
         state = [self.tokens, self.pos, self.emitted, self.kept, self.ties, self.draft_tokens,
                  self.draft_pos, self.draft_sel] + ([self.draft_hidden] if self.draft_hidden is not None else [])
+        state += [*advanced_in_place(self.target_caches), *advanced_in_place(self.draft_caches)]
         return capture(phase, state, self.generator)[0]
 
     @torch.no_grad()
