@@ -22,6 +22,7 @@ import torch
 
 from runtime.experts.base import DictExpertSource, ExpertParallel, MoeLayerSpec
 from runtime.experts.triton_grouped import TritonWgmmaFp8BlockScalesExperts
+from tests.gpu.helpers_graphs import assert_graph_replay_matches_eager
 from tests.runtime.helpers_experts import assert_rel_close, registry_classes, make_expert_tensors, random_hidden, random_routing
 
 pytestmark = pytest.mark.gpu
@@ -153,30 +154,4 @@ def test_cuda_graph_capture_and_replay(tokens):
     cls = TritonWgmmaFp8BlockScalesExperts
     spec = MoeLayerSpec(384, 256, 8, 2, "swiglu_oai", expert_bias=True)
     module = _module(cls, spec, make_expert_tensors(spec, cls.FORMAT, seed=41, weight_std=3.0))
-    module.debug_poison = False
-    hidden = torch.empty(tokens, spec.hidden_size, dtype=torch.bfloat16, device="cuda")
-    ids = torch.empty(tokens, spec.top_k, dtype=torch.long, device="cuda")
-    weights = torch.empty(tokens, spec.top_k, dtype=torch.float32, device="cuda")
-
-    def fresh(seed):
-        i, w = random_routing(tokens, spec, seed=seed)
-        hidden.copy_(random_hidden(tokens, spec, seed=seed + 1))
-        ids.copy_(i)
-        weights.copy_(w)
-
-    fresh(42)
-    module.prepare("cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        module(hidden, ids, weights, path="triton")
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = module(hidden, ids, weights, path="triton")
-    for seed in (43, 44, 45):
-        fresh(seed)
-        graph.replay()
-        eager = module(hidden, ids, weights, path="triton")
-        torch.cuda.synchronize()
-        assert_rel_close(out.float().cpu(), eager.float().cpu(), 1e-6, 1e-6)
+    assert_graph_replay_matches_eager(module, spec, tokens, path="triton")
