@@ -14,12 +14,13 @@ import torch
 
 
 def leaves(caches):
-    """The per-layer caches in `caches`, however nested in lists (a draft's caches hold a whole model's)."""
-    for cache in caches:
-        if isinstance(cache, (list, tuple)):
+    """The per-layer caches in `caches` (one cache, or lists of them however nested: a draft's caches hold a
+    whole model's)."""
+    if isinstance(caches, (list, tuple)):
+        for cache in caches:
             yield from leaves(cache)
-        else:
-            yield cache
+    else:
+        yield caches
 
 
 class RecurrentCache:
