@@ -14,7 +14,9 @@ state (runtime/ops/recurrent.py, which also keeps the states a speculative verif
 The delta rule runs in fp32 in one of two forms that compute the same sums in another order: token by
 token (decode, short inputs, and blocks whose per-token states are kept), or, for inputs longer than a
 chunk, chunked (`chunked_gated_delta_rule`: within a chunk the writes solve one unit-triangular system,
-then one recurrence step per chunk). Under tensor parallelism the mixer is not split (`tp_size` must be 1).
+then one recurrence step per chunk). Under tensor parallelism each rank runs `1 / tp` of the key heads
+with their value heads (the projections are grouped per key head, so a rank's rows are one chunk of
+them; its conv channels are one chunk of each of the q, k, v segments), and `out_proj` sums the ranks.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from runtime.ops.linear import ColumnParallelLinear, RowParallelLinear, new_param
+from runtime.ops.linear import ColumnParallelLinear, RowParallelLinear, new_param, split
 from runtime.ops.norms import GatedRMSNorm
 from runtime.ops.recurrent import RecurrentCache
 
@@ -40,11 +42,14 @@ class RecurrentState(RecurrentCache):
 
 
 class DepthwiseConv(nn.Module):
-    """The checkpoint's `conv1d.weight [channels, 1, kernel]`, no bias (applied by `GatedDeltaNet`)."""
+    """The checkpoint's `conv1d.weight [channels, 1, kernel]`, no bias (applied by `GatedDeltaNet`); under
+    tensor parallelism this rank's chunk of each of the checkpoint's channel `segments`."""
 
-    def __init__(self, *, channels: int, kernel: int, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, *, segments: tuple[int, ...], kernel: int, tp_rank: int = 0, tp_size: int = 1,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        self.weight = new_param(channels, 1, kernel, dtype=dtype)
+        local = sum(split(n, tp_size, "conv1d channels") for n in segments)
+        self.weight = new_param(local, 1, kernel, dtype=dtype, shard=(0, tp_rank, tp_size, segments))
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -126,21 +131,26 @@ class GatedDeltaNet(nn.Module):
                  conv_kernel: int, rms_norm_eps: float, tp_rank: int = 0, tp_size: int = 1,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        if tp_size != 1:
-            raise ValueError(f"the gated DeltaNet mixer is not split over tensor-parallel ranks; build it with tp1 (got tp{tp_size})")
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads {num_v_heads} is not a multiple of linear_num_key_heads {num_k_heads}")
-        self.k_heads, self.v_heads, self.k_dim, self.v_dim = num_k_heads, num_v_heads, k_head_dim, v_head_dim
+        if num_k_heads % tp_size:
+            raise ValueError(f"the gated DeltaNet's linear_num_key_heads {num_k_heads} do not split over {tp_size} "
+                             "tensor-parallel ranks; choose a tp that divides them")
+        local_k, local_v = num_k_heads // tp_size, num_v_heads // tp_size
+        self.k_heads, self.v_heads, self.k_dim, self.v_dim = local_k, local_v, k_head_dim, v_head_dim
         self.kernel = conv_kernel
-        self.conv_dim = 2 * num_k_heads * k_head_dim + num_v_heads * v_head_dim
+        self.conv_dim = 2 * local_k * k_head_dim + local_v * v_head_dim
         qkvz = 2 * num_k_heads * k_head_dim + 2 * num_v_heads * v_head_dim
-        self.in_proj_qkvz = ColumnParallelLinear(in_features=hidden_size, out_features=qkvz, dtype=dtype)
-        self.in_proj_ba = ColumnParallelLinear(in_features=hidden_size, out_features=2 * num_v_heads, dtype=dtype)
-        self.conv1d = DepthwiseConv(channels=self.conv_dim, kernel=conv_kernel, dtype=dtype)
-        self.dt_bias = new_param(num_v_heads, dtype=dtype)
-        self.A_log = new_param(num_v_heads, dtype=dtype)
+        tp = dict(tp_rank=tp_rank, tp_size=tp_size)
+        self.in_proj_qkvz = ColumnParallelLinear(in_features=hidden_size, out_features=qkvz, dtype=dtype, **tp)
+        self.in_proj_ba = ColumnParallelLinear(in_features=hidden_size, out_features=2 * num_v_heads, dtype=dtype, **tp)
+        key_width = num_k_heads * k_head_dim
+        self.conv1d = DepthwiseConv(segments=(key_width, key_width, num_v_heads * v_head_dim), kernel=conv_kernel,
+                                    dtype=dtype, **tp)
+        self.dt_bias = new_param(local_v, dtype=dtype, shard=(0, tp_rank, tp_size))
+        self.A_log = new_param(local_v, dtype=dtype, shard=(0, tp_rank, tp_size))
         self.norm = GatedRMSNorm(hidden_size=v_head_dim, eps=rms_norm_eps, dtype=dtype)
-        self.out_proj = RowParallelLinear(in_features=num_v_heads * v_head_dim, out_features=hidden_size, dtype=dtype)
+        self.out_proj = RowParallelLinear(in_features=num_v_heads * v_head_dim, out_features=hidden_size, dtype=dtype, **tp)
 
     def new_cache(self, *, batch_size: int, max_seq_len: int, dtype: torch.dtype,
                   device: torch.device | str | None = None) -> RecurrentState:

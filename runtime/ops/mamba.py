@@ -14,7 +14,10 @@ the last `conv_kernel - 1` conv inputs and the SSM state, fixed-shaped and updat
 step captures in a CUDA graph. A forward through a state continues from it, except at position 0, where
 it starts from zeros (so a reused decoder's prefill forgets the previous request without a host sync);
 runtime/ops/recurrent.py keeps the states a speculative verify rolls back to. Parameter names are the
-checkpoint's: `in_proj conv1d dt_bias A_log D norm out_proj`.
+checkpoint's: `in_proj conv1d dt_bias A_log D norm out_proj`. Under tensor parallelism each rank runs
+`1 / tp` of the heads and of the B/C groups (a group's heads are consecutive, so a rank's heads read only
+its groups): its rows of the fused `in_proj` and channels of `conv1d` are one chunk of each segment
+(z, x, B, C, dt), and `out_proj` sums the ranks.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from runtime.ops.linear import ColumnParallelLinear, RowParallelLinear, new_param
+from runtime.ops.linear import RowParallelLinear, new_param, split
 from runtime.ops.recurrent import RecurrentCache
 
 CHUNK = 128   # the chunked scan's chunk (Nemotron-H's chunk_size): longer inputs run chunked
@@ -103,13 +106,34 @@ def chunked_scan(x, dt, a, b, c, ssm, chunk: int = CHUNK):
     return y.flatten(1, 2)[:, :seq], starts[:, -1]
 
 
-class CausalConv1d(nn.Module):
-    """`conv1d.weight [channels, 1, kernel]`, `conv1d.bias [channels]`: a depthwise conv over positions."""
+def _segmented(segments: tuple[int, ...], tp_rank: int, tp_size: int, *trailing: int, dtype):
+    """A parameter holding this rank's chunk of each of the checkpoint's `segments` along dim 0."""
+    local = sum(split(n, tp_size, "a fused Mamba-2 projection segment") for n in segments)
+    return new_param(local, *trailing, dtype=dtype, shard=(0, tp_rank, tp_size, segments))
 
-    def __init__(self, *, channels: int, kernel: int, bias: bool, dtype: torch.dtype | None) -> None:
+
+class SegmentedLinear(nn.Module):
+    """`in_proj`: `y = x W^T (+ b)` whose output rows are consecutive `segments`, each split over the ranks."""
+
+    def __init__(self, *, in_features: int, segments: tuple[int, ...], bias: bool, tp_rank: int, tp_size: int,
+                 dtype: torch.dtype | None) -> None:
         super().__init__()
-        self.weight = new_param(channels, 1, kernel, dtype=dtype)
-        self.bias = new_param(channels, dtype=dtype) if bias else None
+        self.weight = _segmented(segments, tp_rank, tp_size, in_features, dtype=dtype)
+        self.bias = _segmented(segments, tp_rank, tp_size, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class CausalConv1d(nn.Module):
+    """`conv1d.weight [channels, 1, kernel]`, `conv1d.bias [channels]`: a depthwise conv over positions (this
+    rank's chunk of each channel segment)."""
+
+    def __init__(self, *, segments: tuple[int, ...], kernel: int, bias: bool, tp_rank: int, tp_size: int,
+                 dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.weight = _segmented(segments, tp_rank, tp_size, 1, kernel, dtype=dtype)
+        self.bias = _segmented(segments, tp_rank, tp_size, dtype=dtype) if bias else None
 
     def forward(self, window: torch.Tensor) -> torch.Tensor:
         """`window [B, C, K - 1 + S]` (the `K - 1` inputs before the `S` new ones) -> `[B, C, S]`."""
@@ -119,10 +143,11 @@ class CausalConv1d(nn.Module):
 class GatedGroupRMSNorm(nn.Module):
     """`norm.weight [inner]`: `y * silu(z)` RMS-normed within each of `groups` equal channel groups, then scaled (fp32)."""
 
-    def __init__(self, *, size: int, groups: int, eps: float, dtype: torch.dtype | None) -> None:
+    def __init__(self, *, size: int, groups: int, eps: float, dtype: torch.dtype | None, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
         super().__init__()
         self.groups, self.eps = groups, float(eps)
-        self.weight = new_param(size, dtype=dtype)
+        self.weight = new_param(size, dtype=dtype, shard=(0, tp_rank, tp_size))   # `size`: this rank's groups
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         gated = y.float() * F.silu(z.float())
@@ -147,27 +172,31 @@ class Mamba2Mixer(nn.Module):
         norm_eps: float,
         conv_bias: bool = True,
         proj_bias: bool = False,
+        tp_rank: int = 0,
         tp_size: int = 1,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if tp_size != 1:
-            raise ValueError(f"the Mamba-2 mixer runs unsplit: build it with tp_size 1, not {tp_size}")
         if num_heads % n_groups:
             raise ValueError(f"mamba_num_heads {num_heads} is not a multiple of n_groups {n_groups}")
-        self.num_heads, self.head_dim, self.state_size, self.n_groups = num_heads, head_dim, state_size, n_groups
+        if n_groups % tp_size:
+            raise ValueError(f"the Mamba-2 mixer's n_groups {n_groups} do not split over {tp_size} tensor-parallel "
+                             "ranks; choose a tp that divides them")
+        heads, groups = num_heads // tp_size, n_groups // tp_size
+        self.num_heads, self.head_dim, self.state_size, self.n_groups = heads, head_dim, state_size, groups
         self.conv_kernel, self.time_step_min = conv_kernel, float(time_step_min)
-        self.inner = num_heads * head_dim
-        self.conv_dim = self.inner + 2 * n_groups * state_size
-        self.in_proj = ColumnParallelLinear(
-            in_features=hidden_size, out_features=self.inner + self.conv_dim + num_heads, bias=proj_bias, dtype=dtype
-        )
-        self.conv1d = CausalConv1d(channels=self.conv_dim, kernel=conv_kernel, bias=conv_bias, dtype=dtype)
-        self.dt_bias = new_param(num_heads, dtype=dtype)
-        self.A_log = new_param(num_heads, dtype=dtype)
-        self.D = new_param(num_heads, dtype=dtype)
-        self.norm = GatedGroupRMSNorm(size=self.inner, groups=n_groups, eps=norm_eps, dtype=dtype)
-        self.out_proj = RowParallelLinear(in_features=self.inner, out_features=hidden_size, bias=proj_bias, dtype=dtype)
+        self.inner = heads * head_dim
+        self.conv_dim = self.inner + 2 * groups * state_size
+        inner, bc = num_heads * head_dim, n_groups * state_size
+        tp = dict(tp_rank=tp_rank, tp_size=tp_size)
+        self.in_proj = SegmentedLinear(in_features=hidden_size, segments=(inner, inner, bc, bc, num_heads),
+                                       bias=proj_bias, dtype=dtype, **tp)
+        self.conv1d = CausalConv1d(segments=(inner, bc, bc), kernel=conv_kernel, bias=conv_bias, dtype=dtype, **tp)
+        self.dt_bias = new_param(heads, dtype=dtype, shard=(0, tp_rank, tp_size))
+        self.A_log = new_param(heads, dtype=dtype, shard=(0, tp_rank, tp_size))
+        self.D = new_param(heads, dtype=dtype, shard=(0, tp_rank, tp_size))
+        self.norm = GatedGroupRMSNorm(size=self.inner, groups=groups, eps=norm_eps, dtype=dtype, **tp)
+        self.out_proj = RowParallelLinear(in_features=inner, out_features=hidden_size, bias=proj_bias, dtype=dtype, **tp)
 
     def new_cache(self, *, batch_size: int, max_seq_len: int, dtype: torch.dtype,
                   device: torch.device | str | None = None) -> MambaState:

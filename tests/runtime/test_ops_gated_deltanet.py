@@ -126,8 +126,9 @@ def test_the_gated_attention_computes_transformers_outputs():
     torch.testing.assert_close(ours(x, positions, cos, sin), expected, atol=2e-5, rtol=0)
 
 
-def test_the_gated_deltanet_refuses_a_tensor_parallel_split():
+def test_the_gated_deltanet_refuses_a_tensor_parallel_split_of_its_key_heads_that_is_not_exact():
     with pytest.raises(ValueError) as err:
         GatedDeltaNet(hidden_size=64, num_k_heads=2, num_v_heads=4, k_head_dim=16, v_head_dim=8, conv_kernel=4,
-                      rms_norm_eps=1e-6, tp_rank=0, tp_size=2, dtype=torch.float32)
-    assert str(err.value) == "the gated DeltaNet mixer is not split over tensor-parallel ranks; build it with tp1 (got tp2)"
+                      rms_norm_eps=1e-6, tp_rank=0, tp_size=4, dtype=torch.float32)
+    assert str(err.value) == ("the gated DeltaNet's linear_num_key_heads 2 do not split over 4 tensor-parallel ranks; "
+                              "choose a tp that divides them")

@@ -101,8 +101,9 @@ def test_a_chunked_forward_continues_from_the_cached_state(monkeypatch):
     assert _close(torch.cat(parts, dim=1), expected)
 
 
-def test_the_mixer_refuses_a_tensor_parallel_split():
+def test_the_mixer_refuses_a_tensor_parallel_split_of_its_groups_that_is_not_exact():
     with pytest.raises(ValueError) as err:
         Mamba2Mixer(hidden_size=48, num_heads=8, head_dim=6, state_size=12, n_groups=2, conv_kernel=4,
-                    time_step_min=0.001, norm_eps=1e-5, tp_size=2)
-    assert str(err.value) == "the Mamba-2 mixer runs unsplit: build it with tp_size 1, not 2"
+                    time_step_min=0.001, norm_eps=1e-5, tp_size=4)
+    assert str(err.value) == ("the Mamba-2 mixer's n_groups 2 do not split over 4 tensor-parallel ranks; "
+                              "choose a tp that divides them")
