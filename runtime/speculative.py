@@ -98,7 +98,7 @@ class SpeculativeDecoder:
         self.draft_caches = draft.new_caches(batch_size, max_seq_len)
         if any(hasattr(cache, "keep_states") for cache in leaves(self.draft_caches[1:])):
             raise ValueError(f"{type(draft).__name__}'s caches of draft steps after the first are recurrent: only a "
-                             "draft's first cache (its catch-up block's) can roll back; give every step one cache")
+                             "draft's first cache (its catch-up block's) rolls back; let every draft step share that one")
         # Recurrent layers keep the state after each token of a k + 1 block: the verify and catch-up blocks.
         keep_states(self.target_caches, k + 1)
         keep_states(self.draft_caches, k + 1)

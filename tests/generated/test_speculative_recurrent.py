@@ -134,3 +134,18 @@ def test_after_each_round_the_states_are_those_of_a_plain_forward_over_the_accep
             torch.testing.assert_close(ours.memory, plain.memory, atol=1e-5, rtol=0)
             torch.testing.assert_close(ours.conv, plain.conv, atol=1e-6, rtol=0)
     assert partial >= 2   # rounds that rejected proposals, so their rollback was exercised
+
+
+class TwoCacheDrafter(ExternalDrafter):
+    """A drafter whose later draft steps would run through a cache of their own (as chained MTP layers do)."""
+
+    def new_caches(self, batch_size, max_seq_len):
+        return super().new_caches(batch_size, max_seq_len) * 2
+
+
+def test_a_draft_whose_later_steps_keep_recurrent_caches_of_their_own_is_refused():
+    target, drafter = _build("tiny_qwen3_next", seed=3), _build("tiny_nemotron_h", seed=5)
+    with pytest.raises(ValueError) as err:
+        SpeculativeDecoder(target, TwoCacheDrafter(drafter, target), 3, 1, 32)
+    assert str(err.value) == ("TwoCacheDrafter's caches of draft steps after the first are recurrent: only a draft's "
+                              "first cache (its catch-up block's) rolls back; let every draft step share that one")
