@@ -5,6 +5,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from runtime.ops.recurrent import leaves
+
 
 def capture(step: Callable[[], object], state: Sequence[torch.Tensor] = (),
             generator: torch.Generator | None = None) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -37,6 +39,7 @@ def capture(step: Callable[[], object], state: Sequence[torch.Tensor] = (),
 def advanced_in_place(caches) -> tuple[torch.Tensor, ...]:
     """The tensors of `caches` a step advances from their old value (a recurrent layer's conv and memory
     states), which `capture` must restore after its warm-up; a KV cache is written at the step's position,
-    so the first replay rewrites what the warm-up wrote, and it needs nothing."""
-    return tuple(t for cache in caches for t in getattr(cache, "advanced_in_place", ()))
+    so the first replay rewrites what the warm-up wrote, and it needs nothing. Nested lists are walked (an
+    external drafter's caches are a whole model's)."""
+    return tuple(t for cache in leaves(caches) for t in getattr(cache, "advanced_in_place", ()))
 

@@ -11,9 +11,13 @@ in runtime/drafts.py, the acceptance math in runtime/acceptance.py):
    argmax at each, counts the leading proposals equal to it (`a`), emits its own tokens `0 .. a`, and
    moves `pos` by `a + 1`. Sampled decoding accepts by speculative sampling instead (`accept_sampled`).
 
-Rollback is a position: both caches are static, so the slots of rejected tokens are rewritten by the
-next round before any query reaches them, and every attention mask hides keys after the query
-(`attention_core.allowed_keys`), so a stale slot is never attended. Both phases read and write only
+Rollback is a position for attention caches: both caches are static, so the slots of rejected tokens
+are rewritten by the next round before any query reaches them, and every attention mask hides keys after
+the query (`attention_core.allowed_keys`), so a stale slot is never attended. A recurrent layer's cache
+(Gated DeltaNet, Mamba-2: runtime/ops/recurrent.py) keeps the state after each token of every `k + 1`
+block instead, and each phase returns it to the one after the last accepted token (`roll_back`, indexed
+by the device tensor of the accepted count): the target's after its verify, the draft's after its
+catch-up block and again after its one-token proposals, which the next catch-up block recomputes. Both phases read and write only
 fixed device buffers with fixed shapes, so on CUDA each is captured once as a CUDA graph and replayed;
 the only host sync is reading `a` once per round (to emit that many tokens and know when to stop).
 """
@@ -30,6 +34,7 @@ from runtime.acceptance import accept_sampled, draw, near_ties, nucleus
 from runtime.decoding import Generation, batch_bucket, length_bucket, sync
 from runtime.drafts import ExternalDrafter, draft_input, vocab_size
 from runtime.graphs import advanced_in_place, capture
+from runtime.ops.recurrent import keep_states, leaves, roll_back
 
 log = logging.getLogger("moegen")
 
@@ -91,6 +96,12 @@ class SpeculativeDecoder:
         self.batch_size, self.max_seq_len = batch_size, max_seq_len
         self.target_caches = target.new_caches(batch_size, max_seq_len)
         self.draft_caches = draft.new_caches(batch_size, max_seq_len)
+        if any(hasattr(cache, "keep_states") for cache in leaves(self.draft_caches[1:])):
+            raise ValueError(f"{type(draft).__name__}'s caches of draft steps after the first are recurrent: only a "
+                             "draft's first cache (its catch-up block's) rolls back; let every draft step share that one")
+        # Recurrent layers keep the state after each token of a k + 1 block: the verify and catch-up blocks.
+        keep_states(self.target_caches, k + 1)
+        keep_states(self.draft_caches, k + 1)
         ids = dict(dtype=torch.int64, device=device)
         self.offsets = torch.arange(k + 1, **ids)
         self.tokens = torch.zeros(batch_size, k + 1, **ids)      # verify input: next token, then proposals
@@ -177,6 +188,7 @@ class SpeculativeDecoder:
         """Catch-up block at `draft_pos`, first proposal at its entry `draft_sel`, then `k - 1` steps."""
         logits, hidden = self.draft.forward(
             self.draft_tokens, self.draft_hidden, self.draft_pos + self.offsets, self._draft_cache(0), step=0)
+        roll_back(self._draft_cache(0), self.draft_sel)   # recurrent layers: to the state after entry draft_sel
         token = self._propose(logits.index_select(1, self.draft_sel), 0)       # [B, 1]
         hidden = hidden.index_select(1, self.draft_sel)
         self.tokens[:, 1:2] = token
@@ -187,6 +199,8 @@ class SpeculativeDecoder:
                 token, None if self.input == "tokens" else hidden, position, self._draft_cache(step), step=step)
             token = self._propose(logits, step)
             self.tokens[:, step + 1:step + 2] = token
+        if self.k > 1:  # the next catch-up block starts after entry draft_sel, not after the proposals
+            roll_back(self._draft_cache(0), self.draft_sel)
 
     def _verify_phase(self) -> None:
         """Target over `tokens` at `pos .. pos + k`; accept, emit, and set up the draft's next catch-up."""
@@ -201,6 +215,7 @@ class SpeculativeDecoder:
             ours, kept = accept_sampled(nucleus(logits, self.temperature, self.top_p), self.draft_probs,
                                         self.tokens[:, 1:], self.generator)
         self.kept.copy_(kept)
+        roll_back(self.target_caches, kept)                 # recurrent layers: to the state after token a
         self.emitted.copy_(ours)
         # The catch-up block: entry j is position pos + j reading the token at pos + j + 1, which is the
         # token kept there (for j < a the accepted proposal; j = a the target's own next token).

@@ -4,7 +4,8 @@ Validation covers the whole checkpoint before the first copy (missing, unexpecte
 dtype, for plain parameters and for every expert tensor of every MoE layer), so a checkpoint that
 does not fit leaves the build exactly as it was, and the error lists every problem at once. Reading
 then goes tensor by tensor (and shard by shard: a parameter with `shard = (dim, rank, size)` reads only
-its chunk), so host memory peaks near the largest tensor, not the checkpoint. Scale values are
+its chunk; with `shard = (dim, rank, size, segments)`, the checkpoint tensor is consecutive segments of
+those lengths along `dim` (a fused projection) and the parameter is chunk `rank` of each, concatenated), so host memory peaks near the largest tensor, not the checkpoint. Scale values are
 checked as they are read (runtime/checkpoint/scales.py): a NaN or infinite scale stops the load there,
 naming the tensor, with the build partly filled (no byte is read twice, none held twice).
 
@@ -52,6 +53,7 @@ class _Target:
     tensor: torch.Tensor
     ckpt_name: str = ""
     shard: tuple[int, int, int] | None = None     # (dim, start, stop) in the checkpoint tensor
+    pieces: tuple[tuple[int, int], ...] = ()       # a segmented shard: its (start, stop) ranges along shard[0]
     full_shape: tuple[int, ...] = ()
     quant: quantized_weights.QuantizedWeight | None = None
     nbytes: int = 0
@@ -212,7 +214,13 @@ def _plan_target(reader: CheckpointReader, t: _Target, block) -> list[str]:
     want = tuple(t.tensor.shape)
     shard = getattr(t.tensor, "shard", None)
     full = list(want)
-    if shard is not None:
+    if shard is not None and len(shard) == 4:
+        dim, rank, size, segments = shard
+        full[dim] = sum(segments)
+        offsets = [sum(segments[:i]) for i in range(len(segments))]
+        t.pieces = tuple((o + rank * n // size, o + (rank + 1) * n // size) for o, n in zip(offsets, segments))
+        t.shard = (dim, *t.pieces[0])
+    elif shard is not None:
         dim, rank, size = shard
         full[dim] = want[dim] * size
         t.shard = (dim, rank * want[dim], (rank + 1) * want[dim])
@@ -231,6 +239,9 @@ def _plan_target(reader: CheckpointReader, t: _Target, block) -> list[str]:
         if quant is None:
             return [f"{t.ckpt_name}: expected dtype {_dt(t.tensor.dtype)}, found {_dt(info.dtype or info.dtype_code)}"]
         t.quant = quant
+        if t.pieces:
+            return [f"{t.ckpt_name}: a quantized ({quant.scheme}) tensor is read whole or in one chunk per rank, not in the "
+                    f"segments of a fused projection{shard_note}; build this layer with tp1"]
         if quant.scheme == "fp8_block" and not isinstance(block, int):
             return [f"{t.ckpt_name}: quantization_config weight_block_size {block} is not a square block; "
                     f"only square FP8 weight blocks are decoded"]
@@ -246,6 +257,10 @@ def _plan_target(reader: CheckpointReader, t: _Target, block) -> list[str]:
 def _fill(model: nn.Module, reader: CheckpointReader, t: _Target, device) -> None:
     if t.quant is not None:
         value = quantized_weights.read(reader, t.quant, t.full_shape, t.tensor.dtype, t.shard)
+    elif t.pieces:
+        dim = t.shard[0]
+        value = torch.cat([reader.read(t.ckpt_name, (slice(None),) * dim + (slice(start, stop),))
+                           for start, stop in t.pieces], dim=dim)
     elif t.shard is not None:
         dim, start, stop = t.shard
         value = reader.read(t.ckpt_name, (slice(None),) * dim + (slice(start, stop),))

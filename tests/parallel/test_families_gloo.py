@@ -20,9 +20,6 @@ from tests.parallel import common
 
 LAYOUTS = ("tp2_moetp1ep2", "tp2_moetp2ep1", "dep2")
 VARIANT = ("minimax_one_kv_head", "tiny_minimax_m2", {"num_key_value_heads": 1})
-# Their linear-attention mixers (gated DeltaNet, Mamba-2) refuse attention TP ("runs unsplit: build it with
-# tp_size 1"); they run the layout whose replicas are whole, dep2.
-UNSPLIT = {"tiny_qwen3_next": ("dep2",), "tiny_nemotron_h": ("dep2",)}
 
 
 @pytest.mark.slow
@@ -38,7 +35,7 @@ def test_every_family_sharded_on_two_ranks_reproduces_its_one_process_logits():
         whole = common.load_fp32_reference(model_name, 90, "tp1", checkpoint=folder, checkpoint_name=checkpoint_name)
         with torch.no_grad():
             references[model_name] = whole.eval()(tokens).float()
-        for layout in UNSPLIT.get(model_name, LAYOUTS):
+        for layout in LAYOUTS:
             jobs.append(ForwardJob(model_name, 90, layout, folder, checkpoint_name, tokens, mode="off",
                                           loader=common.load_fp32_reference))
             labels.append((model_name, layout))

@@ -390,6 +390,33 @@ def test_a_tensor_parallel_shard_reads_only_its_chunk(tmp_path):
     assert str(e.value) == "a.weight: expected shape (96, 32) (shard 1 of 3 along dim 0), found (64, 32)"
 
 
+def test_a_segmented_shard_reads_its_chunk_of_each_segment(tmp_path):
+    # A fused projection [z 8 | x 8 | B 4 | dt 2] rows (a Mamba-2 in_proj): rank 1 of 2 holds rows 4:8, 12:16, 18:20, 21:22.
+    tensors = {"p.weight": torch.randn(22, 6).to(torch.bfloat16), "p.bias": torch.randn(22).to(torch.bfloat16)}
+    path = _write(tmp_path, tensors)
+    build = nn.Module()
+    build.p = nn.Module()
+    build.p.weight = _param((11, 6), shard=(0, 1, 2, (8, 8, 4, 2)))
+    build.p.bias = _param((11,), shard=(0, 1, 2, (8, 8, 4, 2)))
+    load_checkpoint(build, path)
+    rows = [*range(4, 8), *range(12, 16), *range(18, 20), 21]
+    assert torch.equal(build.p.weight, tensors["p.weight"][rows])
+    assert torch.equal(build.p.bias, tensors["p.bias"][rows])
+
+
+def test_a_quantized_tensor_is_not_read_in_segments():
+    ckpt = fc.deepseek_fp8()
+    up = "model.layers.0.mlp.up_proj.weight"      # [288, 192] FP8 blocks
+    with CheckpointReader(ckpt.path) as r:
+        root = fc.mirror({})
+        fc._module_at(root, up.split(".")[:-1]).register_parameter("weight", _param((144, 192), shard=(0, 0, 2, (256, 32))))
+        ignore = [n for n in r.names() if not n.startswith("model.layers.0.mlp.up_proj.")]
+        with pytest.raises(CheckpointError) as e:
+            load_checkpoint(root, r, ignore=ignore, experts={})
+    assert str(e.value) == (f"{up}: a quantized (fp8_block) tensor is read whole or in one chunk per rank, not in the segments of a "
+                            "fused projection (shard 0 of 2 along dim 0); build this layer with tp1")
+
+
 def test_a_shard_of_a_quantized_weight_equals_that_part_of_the_whole_dequantized_weight():
     ckpt = fc.deepseek_fp8()
     up = "model.layers.0.mlp.up_proj.weight"      # [288, 192]: shards start off the 128-blocks

@@ -2,13 +2,16 @@
 
 Tolerance: max abs difference <= 1e-5 relative to the output's largest magnitude (transformers' chunked
 scan and this sequential one sum the same terms in another order; observed ~1e-7). Decoding through a
-`MambaState` (a prefill, then one-token steps) gives the full forward's outputs to the same tolerance.
+`MambaState` (a prefill, then one-token steps) gives the full forward's outputs to the same tolerance. Inputs
+longer than our chunk (128) run our chunked scan: transformers' output to the same tolerance, also when the
+chunked forward continues from a cached state.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+from runtime.ops import mamba
 from runtime.ops.mamba import Mamba2Mixer
 
 nemotron_h = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
@@ -63,8 +66,44 @@ def test_decoding_through_the_state_equals_the_full_forward():
     assert _close(torch.cat(steps, dim=1), full)
 
 
-def test_the_mixer_refuses_a_tensor_parallel_split():
+def _counting_chunked(monkeypatch):
+    calls = []
+    chunked = mamba.chunked_scan
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape[1])
+        return chunked(*args, **kwargs)
+    monkeypatch.setattr(mamba, "chunked_scan", counted)
+    return calls
+
+
+def test_a_long_input_runs_chunked_to_transformers_output(monkeypatch):
+    calls = _counting_chunked(monkeypatch)
+    ours, theirs = _pair(2)
+    x = torch.randn(2, 301, 48)
+    with torch.no_grad():
+        expected = theirs(x)
+        out = ours(x, torch.arange(301))
+    assert calls == [301]
+    assert _close(out, expected), (out - expected).abs().max()
+
+
+def test_a_chunked_forward_continues_from_the_cached_state(monkeypatch):
+    calls = _counting_chunked(monkeypatch)
+    ours, theirs = _pair(3)
+    x = torch.randn(2, 250, 48)
+    state = ours.new_cache(batch_size=2, max_seq_len=256, dtype=torch.float32)
+    with torch.no_grad():
+        expected = theirs(x)
+        parts = [ours(x[:, :9], torch.arange(9), state), ours(x[:, 9:248], torch.arange(9, 248), state)]
+        parts += [ours(x[:, t:t + 1], torch.tensor([t]), state) for t in range(248, 250)]
+    assert calls == [239]
+    assert _close(torch.cat(parts, dim=1), expected)
+
+
+def test_the_mixer_refuses_a_tensor_parallel_split_of_its_groups_that_is_not_exact():
     with pytest.raises(ValueError) as err:
         Mamba2Mixer(hidden_size=48, num_heads=8, head_dim=6, state_size=12, n_groups=2, conv_kernel=4,
-                    time_step_min=0.001, norm_eps=1e-5, tp_size=2)
-    assert str(err.value) == "the Mamba-2 mixer runs unsplit: build it with tp_size 1, not 2"
+                    time_step_min=0.001, norm_eps=1e-5, tp_size=4)
+    assert str(err.value) == ("the Mamba-2 mixer's n_groups 2 do not split over 4 tensor-parallel ranks; "
+                              "choose a tp that divides them")

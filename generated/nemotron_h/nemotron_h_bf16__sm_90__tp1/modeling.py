@@ -145,11 +145,11 @@ def make_attention(index, layout, rank, dtype):
     )
 
 
-def make_mamba(layout, dtype):
+def make_mamba(layout, rank, dtype):
     return Mamba2Mixer(
         hidden_size=HIDDEN_SIZE, num_heads=MAMBA_NUM_HEADS, head_dim=MAMBA_HEAD_DIM, state_size=SSM_STATE_SIZE,
         n_groups=N_GROUPS, conv_kernel=CONV_KERNEL, conv_bias=USE_CONV_BIAS, time_step_min=TIME_STEP_MIN,
-        norm_eps=LAYER_NORM_EPS, tp_size=layout.tp, dtype=dtype,
+        norm_eps=LAYER_NORM_EPS, tp_rank=layout.tp_rank(rank), tp_size=layout.tp, dtype=dtype,
     )
 
 
@@ -208,7 +208,7 @@ class AttentionLayer(MambaLayer):
 def make_layer(index, experts_cls, layout, rank, dtype):
     kind = PATTERN[index]
     if kind == "M":
-        return MambaLayer(mixer=make_mamba(layout, dtype), norm=make_norm(dtype))
+        return MambaLayer(mixer=make_mamba(layout, rank, dtype), norm=make_norm(dtype))
     if kind == "*":
         return AttentionLayer(mixer=make_attention(index, layout, rank, dtype), norm=make_norm(dtype))
     return MixerLayer(mixer=make_mlp(experts_cls, layout, rank, dtype), norm=make_norm(dtype))
