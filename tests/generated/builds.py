@@ -193,12 +193,6 @@ def token_ids(vocab_size: int, batch: int = 2, length: int = 12, seed: int | Non
 # -- quantized checkpoints in the producers' hub layouts, written with our codecs ----------------------
 
 
-def _fp8_quantized(name: str) -> bool:
-    # DeepSeek-V3 quantizes every Linear of attention, dense MLP, shared and routed experts; the router
-    # (`mlp.gate`), norms, embeddings and lm_head stay unquantized (research formats_configs §1).
-    return name.endswith(("_proj.weight", "kv_a_proj_with_mqa.weight")) and ".mlp.gate." not in name
-
-
 def fp8_block_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> torch.Tensor:
     """The DeepSeek recipe, written out here (not runtime.formats): fp8 value times its 128x128 block's
     `weight_scale_inv`, in float64."""
@@ -211,19 +205,13 @@ def fp8_block_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 
 def deepseek_fp8_checkpoint(model: str = "tiny_deepseek_v3", seed: int = 0) -> Path:
     """The transformers checkpoint of `model` in DeepSeek's hub FP8 layout: `weight` float8_e4m3fn plus
     fp32 `weight_scale_inv` per 128x128 block, and config.json's quantization_config exactly as
-    DeepSeek-V3 ships it (no modules_to_not_convert)."""
-    from runtime.formats import fp8
+    DeepSeek-V3 ships it (no modules_to_not_convert): the conversion bench/build.py writes with too."""
+    from runtime.checkpoint.writer import FP8_BLOCK_QUANTIZATION, fp8_block_tensors
 
     source = transformers_checkpoint(model, seed)
-    tensors = read_tensors(source)
-    for name in sorted(tensors):
-        if _fp8_quantized(name):
-            q, scale_inv = fp8.quantize_weight_blocks(tensors.pop(name))
-            tensors[name] = q
-            tensors[name[: -len("weight")] + "weight_scale_inv"] = scale_inv
+    tensors = fp8_block_tensors(read_tensors(source))
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                     "weight_block_size": [128, 128]}
+    config["quantization_config"] = dict(FP8_BLOCK_QUANTIZATION)
     return write_checkpoint(_TMP / f"{model}-fp8-{seed}", tensors, config)
 
 
