@@ -93,7 +93,11 @@ def parity(ours: torch.Tensor, ref: torch.Tensor) -> dict:
 # -- the checkpoint -----------------------------------------------------------------------------------
 
 
-def hf_config(model: str, layers: int):
+# transformers' config key of the routed experts' count, per family (for --experts).
+EXPERTS_KEY = {"qwen3_moe": "num_experts", "gpt_oss": "num_local_experts", "deepseek_v3": "n_routed_experts"}
+
+
+def hf_config(model: str, layers: int, experts: int | None = None):
     from transformers import AutoConfig
 
     facts = importlib.import_module(f"generated.{model}.facts")
@@ -101,17 +105,19 @@ def hf_config(model: str, layers: int):
     config["num_hidden_layers"] = layers
     if "layer_types" in config:
         config["layer_types"] = config["layer_types"][:layers]
+    if experts is not None:
+        config[EXPERTS_KEY[facts.FAMILY]] = experts
     return AutoConfig.for_model(facts.FAMILY, **config), facts
 
 
-def save_checkpoint(model: str, layers: int, folder: Path, device: str = "cuda"):
+def save_checkpoint(model: str, layers: int, folder: Path, device: str = "cuda", experts: int | None = None):
     """transformers' model of `model` cut to `layers`, random weights, saved to `folder`: by
     `save_pretrained` for bf16 models; gpt-oss in its hub MXFP4 layout (experts as `*_blocks`/`*_scales`,
     quantized by runtime.formats.mxfp4, and transformers' copy holding the dequantized values, so both
     sides compute with the same weights); deepseek_v3 in DeepSeek's FP8 block layout (`save_fp8_checkpoint`)."""
     from transformers import AutoModelForCausalLM
 
-    config, facts = hf_config(model, layers)
+    config, facts = hf_config(model, layers, experts)
     torch.manual_seed(0)
     extra = {"attn_implementation": "eager"} if facts.FAMILY == "gpt_oss" else {}  # sinks need eager
     with torch.device(device):
@@ -213,9 +219,11 @@ def save_fp8_checkpoint(hf, folder: Path, mtp_layer: int) -> None:
 # -- the builds ---------------------------------------------------------------------------------------
 
 
-def load_build(model: str, sm: int, layers: int, folder: Path, variant: str, device: str = "cuda", mtp: bool = False):
+def load_build(model: str, sm: int, layers: int, folder: Path, variant: str, device: str = "cuda", mtp: bool = False,
+               experts: int | None = None):
     """`variant`: specialized (mode require), generic (mode off), torch (generic, backend TORCH); `mtp`:
-    also its embedded MTP draft (`speculative_config` mode mtp, read from the same checkpoint)."""
+    also its embedded MTP draft (`speculative_config` mode mtp, read from the same checkpoint); `experts`:
+    the specialized builds' routed experts cut to that many (a smoke run; the generic build keeps its own)."""
     from generated import load_model
     from generated._build_index import INDEX
 
@@ -232,9 +240,12 @@ def load_build(model: str, sm: int, layers: int, folder: Path, variant: str, dev
     for target in INDEX["targets"]:
         if target["model"] == model:
             module = importlib.import_module("generated" + target["module"])
-            saved[module] = module.LAYERS
+            saved[module] = {n: getattr(module, n) for n in ("LAYERS", "NUM_EXPERTS", "EXPERTS_SPEC") if hasattr(module, n)}
             # The layer plan's runs, cut after the first `layers` layers.
             module.LAYERS = tuple((range(r.start, min(r.stop, layers)), i) for r, i in module.LAYERS if r.start < layers)
+            if experts is not None:
+                module.NUM_EXPERTS = experts
+                module.EXPERTS_SPEC = dataclasses.replace(module.EXPERTS_SPEC, num_experts=experts)
     try:
         kwargs = {"specialized": dict(mode="require"), "generic": dict(mode="off"),
                   "torch": dict(mode="off", moe_config={"backend": "TORCH"})}[variant]
@@ -243,8 +254,9 @@ def load_build(model: str, sm: int, layers: int, folder: Path, variant: str, dev
         built = load_model(model, sm, checkpoint=str(folder), device=device, **kwargs)
     finally:
         spec.resolve_build = resolve
-        for module, value in saved.items():
-            module.LAYERS = value
+        for module, values in saved.items():
+            for name, value in values.items():
+                setattr(module, name, value)
     return built.eval()
 
 
@@ -558,12 +570,14 @@ def main() -> None:
     parser.add_argument("--no-spec", action="store_true", help="leave out the speculative decoding timings")
     parser.add_argument("--spec-k", default="1,3", help="draft tokens per round to time (comma-separated)")
     parser.add_argument("--no-micro", action="store_true", help="leave out the attention micro-benchmark")
+    parser.add_argument("--experts", type=int, help="routed experts cut to this many (a smoke run of the script, "
+                        "specialized builds only; not the §0 scope)")
     parser.add_argument("--fp32-parity", action="store_true",
                         help="also compare every build and transformers' bf16 logits with transformers in fp32")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
-              "layers": args.layers, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+              "layers": args.layers, "experts": args.experts, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     report["copy_tb_s"] = copy_bandwidth() / 1e12
     report["bf16_matmul_tflop_s"] = matmul_peak() / 1e12
     print(json.dumps(report), flush=True)
@@ -577,7 +591,7 @@ def main() -> None:
 
     folder = Path(tempfile.mkdtemp(prefix="moegen-bench-"))
     t0 = time.perf_counter()
-    hf = save_checkpoint(args.model, args.layers, folder)
+    hf = save_checkpoint(args.model, args.layers, folder, experts=args.experts)
     report["checkpoint_s"] = time.perf_counter() - t0
     config = hf.config
     vocab = config.vocab_size
@@ -595,7 +609,7 @@ def main() -> None:
         try:
             spec = variant == "specialized" and not args.no_spec
             mtp = spec and config.model_type == "deepseek_v3"
-            model = load_build(args.model, args.sm, args.layers, folder, variant, mtp=mtp)
+            model = load_build(args.model, args.sm, args.layers, folder, variant, mtp=mtp, experts=args.experts)
             kept[variant] = bench_build(model, variant, ids, refs, results)
             if spec:
                 try:
