@@ -2,7 +2,8 @@
 build at real layer shapes, reduced to its first decoder layers, against transformers on the same weights
 (device machine; a script, not a test).
 
-    python3 bench/build.py [--model qwen3_30b_a3b] [--layers 4] [--out DIR] [--no-compile]
+    python3 bench/build.py [--model qwen3_30b_a3b|gpt_oss_120b|deepseek_v3] [--layers 4] [--out DIR]
+                           [--variants specialized,generic,torch] [--no-compile] [--no-spec] [--spec-k 1,3]
 
 Scope: a checkpoint that transformers saves (`from_config` with random weights, `save_pretrained`) at the
 model's real shapes and vocabulary, cut to `--layers` decoder layers; the specialized build, the generic
@@ -12,6 +13,11 @@ loads it too (bf16, its default attention; and, unless --no-compile, its static 
 1, 8 and 32 with 1024 tokens in the cache; the builds replay their `runtime.decoding.Decoder` step (a CUDA
 graph). Every time stands next to its parity against transformers' bf16 eager logits on the same inputs
 (relative error, top-1 agreement). R_roof = bytes the step must read / copy bandwidth / step time.
+Prefill is timed over PREFILL_REPS calls after a warm-up (median, min-max); its FLOPs (`prefill_flops`)
+over the time, as a fraction of a bf16 matmul's rate measured in the same run. deepseek_v3 is written in
+DeepSeek's FP8 128x128-block layout with a random MTP layer; transformers, which loads no FP8, runs on
+the bf16 block dequantization. Speculative decoding (`speculative`): the specialized build's `generate`
+with an always-agreeing drafter and, for deepseek_v3, its MTP draft, against plain decoding.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import dataclasses
 import importlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -33,10 +40,13 @@ import torch  # noqa: E402
 PREFILL = 2048
 CACHED = 1024
 BATCHES = (1, 8, 32)
+PREFILL_REPS = 50   # eager prefill after 5 warm-up calls: 10 gave 6.7-9.5 ms spreads across runs
+SPEC_PROMPT, SPEC_NEW = 128, 128
 
 
-def events_ms(fn, reps: int, warmup: int = 3) -> float:
-    """Median milliseconds of `fn()` over `reps` calls, timed with CUDA events."""
+def events_stats(fn, reps: int, warmup: int = 3) -> dict:
+    """Milliseconds of `fn()` over `reps` calls after `warmup` calls, each timed with CUDA events:
+    median, min and max."""
     for _ in range(warmup):
         fn()
     times = []
@@ -47,7 +57,13 @@ def events_ms(fn, reps: int, warmup: int = 3) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    times.sort()
+    return {"median": times[len(times) // 2], "min": times[0], "max": times[-1], "reps": reps}
+
+
+def events_ms(fn, reps: int, warmup: int = 3) -> float:
+    """Median milliseconds of `fn()` over `reps` calls, timed with CUDA events."""
+    return events_stats(fn, reps, warmup)["median"]
 
 
 def copy_bandwidth() -> float:
@@ -56,6 +72,15 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     ms = events_ms(lambda: dst.copy_(src), 10)
     return 2 * src.nbytes / (ms * 1e-3)
+
+
+def matmul_peak() -> float:
+    """bf16 FLOP/s of one large matmul (8192^3, random operands), the prefill ceiling measured in this run."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = events_ms(lambda: a @ b, 30, warmup=5)
+    return 2 * n**3 / (ms * 1e-3)
 
 
 def parity(ours: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -68,7 +93,11 @@ def parity(ours: torch.Tensor, ref: torch.Tensor) -> dict:
 # -- the checkpoint -----------------------------------------------------------------------------------
 
 
-def hf_config(model: str, layers: int):
+# transformers' config key of the routed experts' count, per family (for --experts).
+EXPERTS_KEY = {"qwen3_moe": "num_experts", "gpt_oss": "num_local_experts", "deepseek_v3": "n_routed_experts"}
+
+
+def hf_config(model: str, layers: int, experts: int | None = None):
     from transformers import AutoConfig
 
     facts = importlib.import_module(f"generated.{model}.facts")
@@ -76,17 +105,19 @@ def hf_config(model: str, layers: int):
     config["num_hidden_layers"] = layers
     if "layer_types" in config:
         config["layer_types"] = config["layer_types"][:layers]
+    if experts is not None:
+        config[EXPERTS_KEY[facts.FAMILY]] = experts
     return AutoConfig.for_model(facts.FAMILY, **config), facts
 
 
-def save_checkpoint(model: str, layers: int, folder: Path, device: str = "cuda"):
+def save_checkpoint(model: str, layers: int, folder: Path, device: str = "cuda", experts: int | None = None):
     """transformers' model of `model` cut to `layers`, random weights, saved to `folder`: by
     `save_pretrained` for bf16 models; gpt-oss in its hub MXFP4 layout (experts as `*_blocks`/`*_scales`,
     quantized by runtime.formats.mxfp4, and transformers' copy holding the dequantized values, so both
-    sides compute with the same weights)."""
+    sides compute with the same weights); deepseek_v3 in DeepSeek's FP8 block layout (`save_fp8_checkpoint`)."""
     from transformers import AutoModelForCausalLM
 
-    config, facts = hf_config(model, layers)
+    config, facts = hf_config(model, layers, experts)
     torch.manual_seed(0)
     extra = {"attn_implementation": "eager"} if facts.FAMILY == "gpt_oss" else {}  # sinks need eager
     with torch.device(device):
@@ -96,6 +127,9 @@ def save_checkpoint(model: str, layers: int, folder: Path, device: str = "cuda")
             if t.is_floating_point():
                 t.copy_((1.0 + 0.1 * torch.randn_like(t, dtype=torch.float32)) if "norm" in name
                         else 0.02 * torch.randn_like(t, dtype=torch.float32))
+    if facts.FAMILY == "deepseek_v3":
+        save_fp8_checkpoint(hf, folder, facts.CONFIG["num_hidden_layers"])  # the MTP layer's index in the hub's
+        return hf.eval()
     if facts.FAMILY != "gpt_oss":
         hf.save_pretrained(folder)
         return hf.eval()
@@ -127,11 +161,69 @@ def save_checkpoint(model: str, layers: int, folder: Path, device: str = "cuda")
     return hf.eval()
 
 
+def _fp8_held(name: str) -> bool:
+    """transformers' own names of the tensors DeepSeek keeps in FP8 blocks (its fused experts too)."""
+    from runtime.checkpoint.writer import fp8_block_quantized
+
+    return fp8_block_quantized(name) or name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+
+
+def save_fp8_checkpoint(hf, folder: Path, mtp_layer: int) -> None:
+    """`hf` (deepseek_v3, bf16) as DeepSeek stores it: float8_e4m3fn `weight` + fp32 `weight_scale_inv` per
+    128x128 block (runtime.checkpoint.writer.fp8_block_tensors, the tests' conversion too), plus a random
+    MTP layer at `model.layers.<mtp_layer>` (the whole model's layer count, where the hub and the build's
+    draft keep it; transformers has no MTP: the last layer's tensor shapes with fresh values, and the MTP
+    head's own tensors).
+
+    transformers' deepseek_v3 does not load FP8 weights, so `hf` first gets each FP8 weight's block
+    dequantization in place: it computes with the values the checkpoint holds (bf16-rounded), whose
+    re-quantization below gives back the same codes (their scales within bf16 rounding)."""
+    from safetensors.torch import load_file
+
+    from runtime.checkpoint.writer import FP8_BLOCK_QUANTIZATION, fp8_block_tensors, save_checkpoint as write
+    from runtime.formats import fp8
+
+    with torch.no_grad():
+        for name, t in hf.state_dict().items():
+            if _fp8_held(name):
+                for part in (t.unsqueeze(0) if t.dim() == 2 else t).split(16):  # experts 16 at a time: fp32 copies
+                    q, scale = fp8.quantize_weight_blocks(part)
+                    part.copy_(fp8.dequantize_weight_blocks(q, scale, t.dtype))
+    staging = folder.with_name(folder.name + "-bf16")
+    hf.save_pretrained(staging)
+    tensors = {}
+    for file in sorted(staging.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    config = json.loads((staging / "config.json").read_text())
+    shutil.rmtree(staging)
+    last = f"model.layers.{config['num_hidden_layers'] - 1}."
+    mtp = f"model.layers.{mtp_layer}."
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    shapes = {mtp + n[len(last):]: t.shape for n, t in tensors.items() if n.startswith(last)}
+    shapes |= {mtp + n: (hidden,) for n in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight")}
+    shapes |= {mtp + "eh_proj.weight": (hidden, 2 * hidden), mtp + "shared_head.head.weight": (vocab, hidden),
+               mtp + "embed_tokens.weight": (vocab, hidden)}
+    device = hf.device
+    gen = torch.Generator(device).manual_seed(2)
+    for name, shape in sorted(shapes.items()):
+        values = torch.randn(shape, device=device, generator=gen)
+        tensors[name] = (1.0 + 0.1 * values if "norm" in name else 0.02 * values).to(torch.bfloat16)
+    out = {}
+    for name in sorted(tensors):  # on hf's device (the GPU), one tensor at a time
+        for key, value in fp8_block_tensors({name: tensors.pop(name).to(device)}).items():
+            out[key] = value.cpu()
+    config["quantization_config"] = dict(FP8_BLOCK_QUANTIZATION)
+    write(out, folder, config)
+
+
 # -- the builds ---------------------------------------------------------------------------------------
 
 
-def load_build(model: str, sm: int, layers: int, folder: Path, variant: str, device: str = "cuda"):
-    """`variant`: specialized (mode require), generic (mode off), torch (generic, backend TORCH)."""
+def load_build(model: str, sm: int, layers: int, folder: Path, variant: str, device: str = "cuda", mtp: bool = False,
+               experts: int | None = None):
+    """`variant`: specialized (mode require), generic (mode off), torch (generic, backend TORCH); `mtp`:
+    also its embedded MTP draft (`speculative_config` mode mtp, read from the same checkpoint); `experts`:
+    the specialized builds' routed experts cut to that many (a smoke run; the generic build keeps its own)."""
     from generated import load_model
     from generated._build_index import INDEX
 
@@ -148,26 +240,45 @@ def load_build(model: str, sm: int, layers: int, folder: Path, variant: str, dev
     for target in INDEX["targets"]:
         if target["model"] == model:
             module = importlib.import_module("generated" + target["module"])
-            saved[module] = module.LAYERS
+            saved[module] = {n: getattr(module, n) for n in ("LAYERS", "NUM_EXPERTS", "EXPERTS_SPEC") if hasattr(module, n)}
             # The layer plan's runs, cut after the first `layers` layers.
             module.LAYERS = tuple((range(r.start, min(r.stop, layers)), i) for r, i in module.LAYERS if r.start < layers)
+            if experts is not None:
+                module.NUM_EXPERTS = experts
+                module.EXPERTS_SPEC = dataclasses.replace(module.EXPERTS_SPEC, num_experts=experts)
     try:
         kwargs = {"specialized": dict(mode="require"), "generic": dict(mode="off"),
                   "torch": dict(mode="off", moe_config={"backend": "TORCH"})}[variant]
+        if mtp:
+            kwargs["speculative_config"] = {"mode": "mtp"}
         built = load_model(model, sm, checkpoint=str(folder), device=device, **kwargs)
     finally:
         spec.resolve_build = resolve
-        for module, value in saved.items():
-            module.LAYERS = value
+        for module, values in saved.items():
+            for name, value in values.items():
+                setattr(module, name, value)
     return built.eval()
 
 
 def decode_bytes(config, batch: int, kv_len: int) -> int:
     """Bytes one decode step must read: every weight it touches, the active experts for uniform routing
-    (bf16, or MXFP4 at 0.53125 bytes per weight for gpt-oss, its biases bf16), the embedding rows, and
-    the KV cache (a sliding layer's window only), all else bf16."""
+    (bf16; MXFP4 at 0.53125 bytes per weight for gpt-oss, its biases bf16; FP8 at 1 byte plus fp32 128x128
+    block scales for deepseek_v3, whose other linears the loader dequantizes to bf16), the embedding rows,
+    and the KV cache (a sliding layer's window only; MLA's latent and rotated key), all else bf16."""
     c = config
-    h, heads, kv, d = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    h = c.hidden_size
+    if c.model_type == "deepseek_v3":
+        heads, ql, kl, r = c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim
+        attn = 2 * (h * ql + ql * heads * (c.qk_nope_head_dim + r) + h * (kl + r)
+                    + kl * heads * (c.qk_nope_head_dim + c.v_head_dim) + heads * c.v_head_dim * h + ql + kl + 2 * h)
+        experts, mi = c.n_routed_experts, c.moe_intermediate_size
+        active = experts * (1 - (1 - c.num_experts_per_tok / experts) ** batch)
+        moe = 2 * experts * h + 4 * experts + active * 3 * h * mi * (1 + 4 / 128**2) + c.n_shared_experts * 3 * h * mi * 2
+        dense = min(c.first_k_dense_replace, c.num_hidden_layers)
+        layers = c.num_hidden_layers * attn + dense * 3 * h * c.intermediate_size * 2 + (c.num_hidden_layers - dense) * moe
+        cache = c.num_hidden_layers * batch * kv_len * (kl + r) * 2
+        return int(layers + 2 * (c.vocab_size * h + h + batch * h) + cache)
+    heads, kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     gpt_oss = c.model_type == "gpt_oss"
     attn = 2 * (h * heads * d * 2 + h * kv * d * 2 + 2 * d + h)  # q, o; k, v; q/k norms; input norm
     experts = c.num_local_experts if gpt_oss else c.num_experts
@@ -179,6 +290,36 @@ def decode_bytes(config, batch: int, kv_len: int) -> int:
     cache = sum(batch * (min(kv_len, c.sliding_window) if t == "sliding_attention" else kv_len) * kv * d * 2 * 2
                 for t in windows)
     return int(c.num_hidden_layers * layer + 2 * (c.vocab_size * h + h + batch * h) + cache)
+
+
+def prefill_flops(config, seq: int = PREFILL) -> int:
+    """Floating-point operations of a prefill of `seq` tokens (batch 1): every matmul (attention projections,
+    router, the top-k experts each token is routed to, shared experts, dense MLPs, lm_head over every
+    position) and causal attention (QK^T and PV over the keys each query sees: a sliding window's at most).
+    Norms, rotary, softmax and activations are left out (elementwise, under 1 %)."""
+    c, s, h = config, seq, config.hidden_size
+    full_pairs = s * (s + 1) // 2
+    if c.model_type == "deepseek_v3":
+        heads, ql, kl, r, n, v = (c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim,
+                                  c.qk_nope_head_dim, c.v_head_dim)
+        attn = 2 * s * (h * ql + ql * heads * (n + r) + h * (kl + r) + kl * heads * (n + v) + heads * v * h)
+        attn += 2 * full_pairs * heads * (n + r + v)
+        moe = 2 * s * h * c.n_routed_experts + 6 * s * h * c.moe_intermediate_size * (c.num_experts_per_tok + c.n_shared_experts)
+        dense = min(c.first_k_dense_replace, c.num_hidden_layers)
+        total = c.num_hidden_layers * attn + dense * 6 * s * h * c.intermediate_size + (c.num_hidden_layers - dense) * moe
+        return int(total + 2 * s * h * c.vocab_size)
+    heads, kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    gpt_oss = c.model_type == "gpt_oss"
+    experts = c.num_local_experts if gpt_oss else c.num_experts
+    inter = c.intermediate_size if gpt_oss else c.moe_intermediate_size
+    windows = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
+    total = 0
+    for kind in windows[: c.num_hidden_layers]:
+        w = c.sliding_window if kind == "sliding_attention" else s
+        pairs = sum(min(i + 1, w) for i in range(s))
+        total += 2 * s * h * (2 * heads * d + 2 * kv * d) + 4 * pairs * heads * d
+        total += 2 * s * h * experts + 6 * s * h * inter * c.num_experts_per_tok
+    return int(total + 2 * s * h * c.vocab_size)
 
 
 # -- measurements -------------------------------------------------------------------------------------
@@ -193,7 +334,8 @@ def bench_build(model, name, ids, hf_ref, results):
         row = {"variant": name, "build": type(model).__module__, "prefill": parity(logits[0], hf_ref["prefill"])}
         kept["prefill"] = logits[0].cpu()
         del logits
-        row["prefill_ms"] = events_ms(lambda: model(ids[:1]), 10)
+        row["prefill_stats"] = events_stats(lambda: model(ids[:1]), PREFILL_REPS, warmup=5)
+        row["prefill_ms"] = row["prefill_stats"]["median"]
         for batch in BATCHES:
             decoder = Decoder(model, batch, CACHED + 64)
             decoder.prefill(ids[:batch, :CACHED])
@@ -241,7 +383,8 @@ def transformers_refs(hf, ids):
     refs, times = {}, {}
     with torch.no_grad():
         refs["prefill"] = hf(ids[:1]).logits[0]
-        times["prefill_ms"] = events_ms(lambda: hf(ids[:1]), 10)
+        times["prefill_stats"] = events_stats(lambda: hf(ids[:1]), PREFILL_REPS, warmup=5)
+        times["prefill_ms"] = times["prefill_stats"]["median"]
         for batch in BATCHES:
             cache = DynamicCache(config=hf.config)
             hf(ids[:batch, :CACHED], past_key_values=cache, use_cache=True)
@@ -280,6 +423,52 @@ def transformers_compiled(hf, ids, refs):
             out[f"compile_b{batch}_s"] = time.perf_counter() - t0
             out[f"decode_b{batch}"] = parity(logits[:, -1], refs[f"decode_b{batch}"])
             out[f"decode_b{batch}_ms"] = events_ms(one, 50, warmup=5)
+    return out
+
+
+def speculative(model, ids, ks, draft=None) -> dict:
+    """Plain greedy decoding (the build's `generate`) against `generate(..., speculative=Speculation(k, d))`
+    for each k in `ks`, from one SPEC_PROMPT-token prompt to SPEC_NEW new tokens, the second call of each
+    timed (graphs captured by the first). Drafters: the target's own build as an external drafter (it always
+    agrees, up to bf16 near-ties) and `draft` (the build's MTP draft with random weights: honest acceptance,
+    the cost of rejected proposals). Per run: rounds, proposed, accepted, acceptance length, tokens/s, the
+    ratio to plain decoding and to the §0 goal (0.8 (k+1) x plain), where it first differs from plain
+    greedy (SD1; bf16 near-ties), and the draft and verify phases' graph replays timed alone."""
+    from runtime.speculative import ExternalDrafter, Speculation, speculative_decoder
+
+    prompt = ids[:1, :SPEC_PROMPT]
+    model.generate(prompt, SPEC_NEW)
+    plain = model.generate(prompt, SPEC_NEW)
+    out = {"prompt": SPEC_PROMPT, "new_tokens": SPEC_NEW, "plain_tokens_s": plain.tokens_per_s,
+           "plain_step_ms": 1e3 * plain.decode_s / plain.decode_steps}
+    print(json.dumps({"speculative": out}), flush=True)
+    drafters = {"agreeing": ExternalDrafter(model, model)}
+    if draft is not None:
+        drafters["mtp_random"] = draft
+    for label, drafter in drafters.items():
+        for k in ks:
+            spec = Speculation(k, drafter)
+            model.generate(prompt, SPEC_NEW, speculative=spec)
+            run = model.generate(prompt, SPEC_NEW, speculative=spec)
+            differs = (run.tokens != plain.tokens)[0].nonzero()
+            ratio = run.tokens_per_s / plain.tokens_per_s
+            row = {"k": k, "rounds": run.rounds, "proposed": run.proposed, "accepted": run.accepted,
+                   "acceptance_length": run.acceptance_length, "tokens_s": run.tokens_per_s, "x_plain": ratio,
+                   "goal_x_plain": 0.8 * (k + 1), "of_goal": ratio / (0.8 * (k + 1)),
+                   "round_ms": 1e3 * run.decode_s / max(1, run.rounds), "near_ties": run.near_ties,
+                   "first_differs_at": int(differs[0]) - SPEC_PROMPT if len(differs) else None}
+            decoder = speculative_decoder(model, drafter, k, 1, SPEC_PROMPT + SPEC_NEW)
+            if set(decoder.graphs) == {"draft", "verify"}:
+                pos = decoder.pos.clone()
+
+                def verify():  # a verify advances the position: each replay starts from the same one
+                    decoder.pos.copy_(pos)
+                    decoder.graphs["verify"].replay()
+
+                row["draft_phase_ms"] = events_ms(decoder.graphs["draft"].replay, 20)
+                row["verify_phase_ms"] = events_ms(verify, 20)
+            out[f"{label}_k{k}"] = row
+            print(json.dumps({f"{label}_k{k}": row}), flush=True)
     return out
 
 
@@ -378,24 +567,31 @@ def main() -> None:
     parser.add_argument("--variants", default="specialized,generic,torch")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--profile", action="store_true", help="kernel times of the specialized build's decode step")
+    parser.add_argument("--no-spec", action="store_true", help="leave out the speculative decoding timings")
+    parser.add_argument("--spec-k", default="1,3", help="draft tokens per round to time (comma-separated)")
+    parser.add_argument("--no-micro", action="store_true", help="leave out the attention micro-benchmark")
+    parser.add_argument("--experts", type=int, help="routed experts cut to this many (a smoke run of the script, "
+                        "specialized builds only; not the §0 scope)")
     parser.add_argument("--fp32-parity", action="store_true",
                         help="also compare every build and transformers' bf16 logits with transformers in fp32")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     args = parser.parse_args()
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
-              "layers": args.layers, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+              "layers": args.layers, "experts": args.experts, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     report["copy_tb_s"] = copy_bandwidth() / 1e12
+    report["bf16_matmul_tflop_s"] = matmul_peak() / 1e12
     print(json.dumps(report), flush=True)
-    try:
-        report["attention_micro"] = attention_micro()
-        print(json.dumps(report["attention_micro"]), flush=True)
-    except Exception:  # noqa: BLE001 - a failed section is reported, the others still run
-        report["attention_micro_error"] = traceback.format_exc()
-        print(report["attention_micro_error"], flush=True)
+    if not args.no_micro:
+        try:
+            report["attention_micro"] = attention_micro()
+            print(json.dumps(report["attention_micro"]), flush=True)
+        except Exception:  # noqa: BLE001 - a failed section is reported, the others still run
+            report["attention_micro_error"] = traceback.format_exc()
+            print(report["attention_micro_error"], flush=True)
 
     folder = Path(tempfile.mkdtemp(prefix="moegen-bench-"))
     t0 = time.perf_counter()
-    hf = save_checkpoint(args.model, args.layers, folder)
+    hf = save_checkpoint(args.model, args.layers, folder, experts=args.experts)
     report["checkpoint_s"] = time.perf_counter() - t0
     config = hf.config
     vocab = config.vocab_size
@@ -404,12 +600,24 @@ def main() -> None:
     report["transformers_eager"] = hf_times
     print(json.dumps({"transformers_eager": hf_times}), flush=True)
     report["bytes"] = {f"decode_b{b}": decode_bytes(config, b, CACHED + 1) for b in BATCHES}
+    report["prefill_flops"] = prefill_flops(config)
+    if config.model_type == "deepseek_v3":
+        report["transformers_weights"] = "bf16 block dequantization of the FP8 checkpoint (transformers loads no FP8)"
 
     results, kept = [], {}
     for variant in args.variants.split(","):
         try:
-            model = load_build(args.model, args.sm, args.layers, folder, variant)
+            spec = variant == "specialized" and not args.no_spec
+            mtp = spec and config.model_type == "deepseek_v3"
+            model = load_build(args.model, args.sm, args.layers, folder, variant, mtp=mtp, experts=args.experts)
             kept[variant] = bench_build(model, variant, ids, refs, results)
+            if spec:
+                try:
+                    report["speculative"] = speculative(model, ids, [int(k) for k in args.spec_k.split(",")],
+                                                        getattr(model, "draft", None) if mtp else None)
+                except Exception:  # noqa: BLE001
+                    report["speculative_error"] = traceback.format_exc()
+                    print(report["speculative_error"], flush=True)
             if variant == "specialized" and args.profile:
                 report["profile"] = {f"b{b}": profile_step(model, ids, b) for b in (1, 32)}
                 print(json.dumps(report["profile"], indent=1), flush=True)
@@ -435,8 +643,12 @@ def main() -> None:
     (args.out / f"build_{args.model}.json").write_text(json.dumps(report, indent=1))
 
     bw = report["copy_tb_s"] * 1e12
-    print(f"\n{args.model}, {args.layers} layers, {report['gpu']}, copy {report['copy_tb_s']:.2f} TB/s")
-    print("| variant | prefill 2048 ms (rel, top1) | " + " | ".join(f"decode B={b} ms (R_roof; rel, top1)" for b in BATCHES) + " |")
+    peak = report["bf16_matmul_tflop_s"] * 1e12
+    print(f"\n{args.model}, {args.layers} layers, {report['gpu']}, copy {report['copy_tb_s']:.2f} TB/s, "
+          f"bf16 matmul {report['bf16_matmul_tflop_s']:.0f} TFLOP/s, prefill {report['prefill_flops'] / 1e12:.2f} TFLOP"
+          + (f"; transformers on the {report['transformers_weights']}" if "transformers_weights" in report else ""))
+    print(f"| variant | prefill 2048 ms [min-max of {PREFILL_REPS}] (of bf16 peak; rel, top1) | "
+          + " | ".join(f"decode B={b} ms (R_roof; rel, top1)" for b in BATCHES) + " |")
     rows = [{"variant": "transformers eager", **hf_times}] + results
     if "transformers_compiled" in report:
         rows.append({"variant": "transformers static+compile", **report["transformers_compiled"]})
@@ -446,14 +658,31 @@ def main() -> None:
             continue
         cells = [row["variant"]]
         p = row.get("prefill")
-        cells.append(f"{row['prefill_ms']:.2f}" + (f" ({p['rel_err']:.3f}, {p['top1']:.3f})" if p else "")
-                     if "prefill_ms" in row else "-")
+        if "prefill_ms" in row:
+            st = row.get("prefill_stats", {})
+            frac = report["prefill_flops"] / (row["prefill_ms"] * 1e-3) / peak
+            cells.append(f"{row['prefill_ms']:.2f}" + (f" [{st['min']:.2f}-{st['max']:.2f}]" if st else "")
+                         + f" ({frac:.2f}" + (f"; {p['rel_err']:.3f}, {p['top1']:.3f})" if p else ")"))
+        else:
+            cells.append("-")
         for b in BATCHES:
             ms = row[f"decode_b{b}_ms"]
             roof = report["bytes"][f"decode_b{b}"] / bw / (ms * 1e-3)
             d = row.get(f"decode_b{b}")
             cells.append(f"{ms:.3f} ({roof:.2f}" + (f"; {d['rel_err']:.3f}, {d['top1']:.3f})" if d else ")"))
         print("| " + " | ".join(cells) + " |")
+    spec = report.get("speculative")
+    if spec:
+        print(f"\nspeculative (greedy, B=1, {spec['prompt']}-token prompt, {spec['new_tokens']} new): plain "
+              f"{spec['plain_tokens_s']:.0f} tokens/s ({spec['plain_step_ms']:.3f} ms a step)")
+        print("| drafter | k | accepted / proposed | acceptance length | tokens/s | x plain | of goal 0.8(k+1) | "
+              "round ms (draft, verify phases) | first differs at |")
+        for name, r in spec.items():
+            if isinstance(r, dict):
+                phases = f" ({r['draft_phase_ms']:.3f}, {r['verify_phase_ms']:.3f})" if "draft_phase_ms" in r else ""
+                print(f"| {name.rsplit('_k', 1)[0]} | {r['k']} | {r['accepted']} / {r['proposed']} | "
+                      f"{r['acceptance_length']:.2f} | {r['tokens_s']:.0f} | {r['x_plain']:.2f} | {r['of_goal']:.2f} | "
+                      f"{r['round_ms']:.3f}{phases} | {r['first_differs_at']} ({r['near_ties']} near-ties) |")
 
 
 if __name__ == "__main__":

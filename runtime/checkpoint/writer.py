@@ -1,4 +1,4 @@
-"""Writes a one-rank build's seeded random weights as an HF checkpoint under the loader's names, so runs without a real checkpoint still load one model shard by shard.
+"""Writes a one-rank build's seeded random weights as an HF checkpoint under the loader's names, so runs without a real checkpoint still load one model shard by shard; and converts a checkpoint's tensors to DeepSeek's FP8 block layout.
 
 Random weights drawn separately on each rank would not be shards of one model, and a run that skipped
 the loader would not test it; one written checkpoint serves both (`python -m generated.run --tiny` and
@@ -111,6 +111,32 @@ def random_tensors(model: nn.Module, storage: str, seed: int = 0, std: float = 0
         spec, fmt = module.spec, module.FORMAT
         source = random_source(spec, fmt, range(spec.num_experts), gen, std=std)
         out.update(stored_expert_tensors(source.tensors, spec.num_experts, experts_layout(storage, fmt), prefix))
+    return out
+
+
+# DeepSeek-V3's FP8 checkpoint (research formats_configs §1): every Linear of attention, the dense MLPs and
+# the shared and routed experts is float8_e4m3fn `weight` plus fp32 `weight_scale_inv` per 128x128 block;
+# the router (`mlp.gate`), norms, embeddings and lm_head stay unquantized. Its config.json's
+# quantization_config, exactly as DeepSeek-V3 ships it (no modules_to_not_convert):
+FP8_BLOCK_QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+
+
+def fp8_block_quantized(name: str) -> bool:
+    """Whether DeepSeek's FP8 checkpoints keep tensor `name` (a checkpoint name) in 128x128 blocks."""
+    return name.endswith(("_proj.weight", "kv_a_proj_with_mqa.weight")) and ".mlp.gate." not in name
+
+
+def fp8_block_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` (a bf16/fp32 checkpoint's, by name) in DeepSeek's FP8 layout: each `fp8_block_quantized`
+    weight as its float8_e4m3fn codes and a `weight_scale_inv` beside it (block amax / 448), the rest as given."""
+    from runtime.formats import fp8
+
+    out = {}
+    for name, tensor in tensors.items():
+        if fp8_block_quantized(name):
+            out[name], out[name[: -len("weight")] + "weight_scale_inv"] = fp8.quantize_weight_blocks(tensor)
+        else:
+            out[name] = tensor
     return out
 
 

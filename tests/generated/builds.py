@@ -113,15 +113,16 @@ def hf_config(model: str, **overrides):
 
 
 @torch.no_grad()
-def randomize(model: torch.nn.Module, seed: int) -> None:
+def randomize(model: torch.nn.Module, seed: int, std: float = 0.08, device: str = "cpu") -> None:
     """Distinct random values in every tensor: transformers initialises norms to 1 and biases (expert,
-    correction, sinks) to 0, which would hide a weight loaded into the wrong place."""
-    gen = torch.Generator().manual_seed(seed)
+    correction, sinks) to 0, which would hide a weight loaded into the wrong place. Norms 1 + 0.2 N(0, 1),
+    the rest `std` N(0, 1) (real layer shapes want a smaller `std` than tiny ones), drawn on `device`."""
+    gen = torch.Generator(device).manual_seed(seed)
     for name, t in sorted(model.state_dict(keep_vars=True).items()):
         if not t.is_floating_point():
             continue
-        values = torch.randn(t.shape, generator=gen)
-        values = 1.0 + 0.2 * values if "norm" in name else 0.08 * values
+        values = torch.randn(t.shape, generator=gen, device=device)
+        values = 1.0 + 0.2 * values if "norm" in name else std * values
         t.copy_(values.to(t.dtype))
 
 
@@ -193,12 +194,6 @@ def token_ids(vocab_size: int, batch: int = 2, length: int = 12, seed: int | Non
 # -- quantized checkpoints in the producers' hub layouts, written with our codecs ----------------------
 
 
-def _fp8_quantized(name: str) -> bool:
-    # DeepSeek-V3 quantizes every Linear of attention, dense MLP, shared and routed experts; the router
-    # (`mlp.gate`), norms, embeddings and lm_head stay unquantized (research formats_configs §1).
-    return name.endswith(("_proj.weight", "kv_a_proj_with_mqa.weight")) and ".mlp.gate." not in name
-
-
 def fp8_block_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 128) -> torch.Tensor:
     """The DeepSeek recipe, written out here (not runtime.formats): fp8 value times its 128x128 block's
     `weight_scale_inv`, in float64."""
@@ -211,20 +206,21 @@ def fp8_block_dequantize(q: torch.Tensor, scale_inv: torch.Tensor, block: int = 
 def deepseek_fp8_checkpoint(model: str = "tiny_deepseek_v3", seed: int = 0) -> Path:
     """The transformers checkpoint of `model` in DeepSeek's hub FP8 layout: `weight` float8_e4m3fn plus
     fp32 `weight_scale_inv` per 128x128 block, and config.json's quantization_config exactly as
-    DeepSeek-V3 ships it (no modules_to_not_convert)."""
-    from runtime.formats import fp8
+    DeepSeek-V3 ships it (no modules_to_not_convert): the conversion bench/build.py writes with too."""
+    return fp8_block_checkpoint(transformers_checkpoint(model, seed), _TMP / f"{model}-fp8-{seed}")
 
-    source = transformers_checkpoint(model, seed)
-    tensors = read_tensors(source)
-    for name in sorted(tensors):
-        if _fp8_quantized(name):
-            q, scale_inv = fp8.quantize_weight_blocks(tensors.pop(name))
-            tensors[name] = q
-            tensors[name[: -len("weight")] + "weight_scale_inv"] = scale_inv
+
+def fp8_block_checkpoint(source: Path, folder: Path, device: str = "cpu") -> Path:
+    """The checkpoint folder `source` (bf16, as transformers saved it) in DeepSeek's FP8 layout, in `folder`
+    (quantized on `device`)."""
+    from runtime.checkpoint.writer import FP8_BLOCK_QUANTIZATION, fp8_block_tensors
+
+    tensors = {}
+    for name, value in read_tensors(source).items():
+        tensors.update((k, v.cpu()) for k, v in fp8_block_tensors({name: value.to(device)}).items())
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                     "weight_block_size": [128, 128]}
-    return write_checkpoint(_TMP / f"{model}-fp8-{seed}", tensors, config)
+    config["quantization_config"] = dict(FP8_BLOCK_QUANTIZATION)
+    return write_checkpoint(folder, tensors, config)
 
 
 @functools.lru_cache(maxsize=None)
@@ -232,21 +228,26 @@ def gpt_oss_mxfp4_checkpoint(model: str = "tiny_gpt_oss", seed: int = 0) -> Path
     """The transformers checkpoint of a gpt-oss model in the hub MXFP4 layout: experts as
     `*_blocks` [E, rows, H/32, 16] / `*_scales` [E, rows, H/32] with rows out-major (gate/up
     interleaved, as transformers keeps them), biases bf16, quantization_config as gpt-oss ships it."""
+    return mxfp4_checkpoint(transformers_checkpoint(model, seed), _TMP / f"{model}-mxfp4-{seed}")
+
+
+def mxfp4_checkpoint(source: Path, folder: Path, device: str = "cpu") -> Path:
+    """The gpt-oss checkpoint folder `source` (bf16, as transformers saved it) in the hub MXFP4 layout, in
+    `folder` (quantized on `device`)."""
     from runtime.formats import mxfp4
 
-    source = transformers_checkpoint(model, seed)
     tensors = read_tensors(source)
     for name in sorted(n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))):
         # transformers' layout is input-major [E, in, out]; the hub's is out-major.
-        packed, scales = mxfp4.quantize_mxfp4(tensors.pop(name).transpose(1, 2).contiguous().float())
-        tensors[name + "_blocks"] = mxfp4.canonical_to_gpt_oss_blocks(packed)
-        tensors[name + "_scales"] = scales
+        packed, scales = mxfp4.quantize_mxfp4(tensors.pop(name).to(device).transpose(1, 2).contiguous().float())
+        tensors[name + "_blocks"] = mxfp4.canonical_to_gpt_oss_blocks(packed).cpu()
+        tensors[name + "_scales"] = scales.cpu()
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = {
         "quant_method": "mxfp4",
         "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
     }
-    return write_checkpoint(_TMP / f"{model}-mxfp4-{seed}", tensors, config)
+    return write_checkpoint(folder, tensors, config)
 
 
 def checkpoint_for(target: dict) -> Path | None:
