@@ -491,6 +491,25 @@ __device__ void route_topk(
   }
   __syncthreads();
 
+  if (E <= 4 * NT) {
+    // Top-k by rank, one pass: an expert's rank is how many others beat it (higher, or equal at a lower
+    // index: the order the arg-max rounds below pick in); ranks below k are the picks, in order. Cheaper
+    // than k rounds of block-wide reductions for up to a few hundred experts. `picked` starts at 0 so that
+    // non-finite scores (which rank nothing consistently) still name a valid expert.
+    if (tid < k) picked[tid] = 0;
+    __syncthreads();
+    for (int e = tid; e < E; e += NT) {
+      const float c = choice[e];
+      int rank = 0;
+#pragma unroll 8
+      for (int j = 0; j < E; ++j) {
+        const float o = choice[j];
+        rank += (o > c) | ((o == c) & (j < e));
+      }
+      if (rank < k) picked[rank] = e;
+    }
+    __syncthreads();
+  } else
   // Top-k: k block-wide arg-max rounds over `choice`, each taking its winner out.
   for (int r = 0; r < k; ++r) {
     float v = ROUTE_NEG_INF;
@@ -576,13 +595,15 @@ extern "C" __global__ void __launch_bounds__(ROUTE_EPB * 32) moe_route(
     }
   }
   // Publish this CTA's logits, then count it; the token's last CTA sees every other CTA's logits.
+  // Release/acquire fences at GPU scope (what the pattern needs; __threadfence is a sequentially
+  // consistent one, MEMBAR.SC, which is slower).
   __shared__ int last;
-  __threadfence();
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(counters + t, 1u) == gridDim.x - 1;
   __syncthreads();
   if (!last) return;
-  __threadfence();
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
   if (threadIdx.x == 0) counters[t] = 0u;
   route_topk<ROUTE_EPB * 32>(logits, choice_bias, ids, weights, t, E, k, mode, n_group, topk_group, renormalize, scale);
 }
