@@ -35,6 +35,8 @@ MODEL_ATTRIBUTES = frozenset({
     # the modules a build is made of (checkpoint names)
     "model", "embed_tokens", "self_attn", "linear_attn", "mlp", "block_sparse_moe", "input_layernorm", "post_attention_layernorm",
     "norm", "rotary_emb", "lm_head", "hidden_states", "rank", "mixer",
+    # the pre-norm layer's residual add fused with its norm (runtime.ops.norms.RMSNorm.add_forward)
+    "add_forward",
     # a hybrid layer states its own decode state (Qwen3-Next's DeltaNet: `new_cache`)
     "new_cache",
     # generic MTP drafts, resolved at load

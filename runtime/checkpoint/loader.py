@@ -159,6 +159,11 @@ def _load(model, reader, experts, ignore, progress, device) -> LoadReport:
             module.load_weights(counting)
             report.tensors += counting.tensors
             report.bytes += counting.bytes
+    for module in model.modules():
+        # Ops that keep a fused copy of separately named tensors (GQA's q/k/v) rebuild it from what was read.
+        fuse = getattr(module, "fuse_projections", None)
+        if callable(fuse):
+            fuse()
     return report
 
 

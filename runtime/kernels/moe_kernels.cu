@@ -402,7 +402,6 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(
 #define ROUTE_SOFTMAX 0
 #define ROUTE_SIGMOID 1
 #define ROUTE_LOGITS 2
-#define ROUTE_THREADS 256
 #define ROUTE_MAX_K 32
 #define ROUTE_NEG_INF __int_as_float(0xff800000)   // NVRTC has no math headers: no INFINITY
 
@@ -415,86 +414,50 @@ __device__ __forceinline__ void route_argmax(float& v, int& i) {
   }
 }
 
-// Logits: one warp per expert, 16-byte loads of the weight row, fp32 products and sums; many CTAs so
-// that the weight streams through every SM (one CTA per token would read it through one SM).
-extern "C" __global__ void __launch_bounds__(128) moe_route_logits(
-    const u16* __restrict__ x,            // [T, H] bf16
-    const void* __restrict__ w,           // [E, H] bf16 (w_fp32 = 0) or fp32
-    const float* __restrict__ logit_bias, // [E] or null (gpt-oss router bias, added before rounding)
-    float* __restrict__ logits,           // [T, E]
-    int H, int E, int w_fp32, int round_logits) {
-  const int lane = threadIdx.x & 31;
-  const int e = blockIdx.x * 4 + (threadIdx.x >> 5);
-  const int t = blockIdx.y;
-  if (e >= E) return;
-  const u16* xr = x + (size_t)t * H;
-  float acc = 0.f;
-  if (w_fp32) {
-    const float* row = reinterpret_cast<const float*>(w) + (size_t)e * H;
-    for (int h = lane; h < H; h += 32) acc += bf16_to_f32(xr[h]) * row[h];
-  } else {
-    const u16* row = reinterpret_cast<const u16*>(w) + (size_t)e * H;
-    if ((H & 7) == 0) {
-      for (int h = lane * 8; h < H; h += 256) {
-        const uint4 wv = *reinterpret_cast<const uint4*>(row + h);
-        const uint4 xv = *reinterpret_cast<const uint4*>(xr + h);
-        const u32 ws[4] = {wv.x, wv.y, wv.z, wv.w}, xs[4] = {xv.x, xv.y, xv.z, xv.w};
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          acc += bf16_to_f32((u16)(xs[j] & 0xffffu)) * bf16_to_f32((u16)(ws[j] & 0xffffu)) +
-                 bf16_to_f32((u16)(xs[j] >> 16)) * bf16_to_f32((u16)(ws[j] >> 16));
-      }
-    } else {
-      for (int h = lane; h < H; h += 32) acc += bf16_to_f32(xr[h]) * bf16_to_f32(row[h]);
-    }
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
-  if (lane == 0) {
-    if (logit_bias) acc += logit_bias[e];
-    logits[(size_t)t * E + e] = round_logits ? bf16_to_f32(f32_to_bf16(acc)) : acc;
-  }
-}
+// One launch per call: the logits by many CTAs (one warp per expert, 16-byte loads of the weight row, fp32
+// products and sums, so the weight streams through every SM), then the last CTA of each token to finish
+// (a per-token counter, which that CTA resets for the next launch or graph replay) takes the scores and
+// the top-k. Two launches before: the second one's launch latency was most of the router's time at decode.
+#define ROUTE_EPB 4   // experts (warps) per CTA
 
-// Scores and top-k of one token per CTA, from the logits above.
-extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route(
-    const float* __restrict__ logits_in,  // [T, E]
-    const float* __restrict__ choice_bias,// [E] or null (sigmoid correction bias)
-    long long* __restrict__ ids,          // [T, k]
-    float* __restrict__ weights,          // [T, k]
-    int E, int k, int mode, int n_group, int topk_group, int renormalize, float scale) {
+template <int NT>
+__device__ void route_topk(
+    const float* __restrict__ logits_in, const float* __restrict__ choice_bias, long long* __restrict__ ids,
+    float* __restrict__ weights, int t, int E, int k, int mode, int n_group, int topk_group, int renormalize,
+    float scale) {
   extern __shared__ float smem[];
   float* logit = smem;         // [E]
   float* choice = logit + E;   // [E]
-  __shared__ float red_v[ROUTE_THREADS / 32];
-  __shared__ int red_i[ROUTE_THREADS / 32];
+  __shared__ float red_v[NT / 32];
+  __shared__ int red_i[NT / 32];
   __shared__ int picked[ROUTE_MAX_K];
   __shared__ float stat[2];
-  const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int warps = ROUTE_THREADS / 32;
-  for (int e = tid; e < E; e += ROUTE_THREADS) logit[e] = logits_in[(size_t)t * E + e];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int warps = NT / 32;
+  // The logits come from other CTAs of this launch: read them from L2, never a stale L1 line.
+  for (int e = tid; e < E; e += NT) logit[e] = __ldcg(logits_in + (size_t)t * E + e);
   __syncthreads();
 
   if (mode == ROUTE_SOFTMAX) {
     // Block max and sum of exp: the probabilities, which both choose and weigh.
     float m = ROUTE_NEG_INF;
-    for (int e = tid; e < E; e += ROUTE_THREADS) m = fmaxf(m, logit[e]);
+    for (int e = tid; e < E; e += NT) m = fmaxf(m, logit[e]);
     for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
     if (lane == 0) red_v[warp] = m;
     __syncthreads();
     if (tid == 0) { float mm = red_v[0]; for (int i = 1; i < warps; ++i) mm = fmaxf(mm, red_v[i]); stat[0] = mm; }
     __syncthreads();
     float sum = 0.f;
-    for (int e = tid; e < E; e += ROUTE_THREADS) { const float p = __expf(logit[e] - stat[0]); choice[e] = p; sum += p; }
+    for (int e = tid; e < E; e += NT) { const float p = __expf(logit[e] - stat[0]); choice[e] = p; sum += p; }
     for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     __syncthreads();
     if (lane == 0) red_v[warp] = sum;
     __syncthreads();
     if (tid == 0) { float ss = 0.f; for (int i = 0; i < warps; ++i) ss += red_v[i]; stat[1] = ss; }
     __syncthreads();
-    for (int e = tid; e < E; e += ROUTE_THREADS) { choice[e] /= stat[1]; logit[e] = choice[e]; }
+    for (int e = tid; e < E; e += NT) { choice[e] /= stat[1]; logit[e] = choice[e]; }
   } else if (mode == ROUTE_SIGMOID) {
-    for (int e = tid; e < E; e += ROUTE_THREADS) {
+    for (int e = tid; e < E; e += NT) {
       const float s = 1.f / (1.f + __expf(-logit[e]));
       logit[e] = s;                                  // the weights
       choice[e] = s + (choice_bias ? choice_bias[e] : 0.f);
@@ -524,15 +487,34 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route(
           for (int e = g * per; e < (g + 1) * per; ++e) choice[e] = ROUTE_NEG_INF;
     }
   } else {
-    for (int e = tid; e < E; e += ROUTE_THREADS) choice[e] = logit[e];
+    for (int e = tid; e < E; e += NT) choice[e] = logit[e];
   }
   __syncthreads();
 
+  if (E <= 4 * NT) {
+    // Top-k by rank, one pass: an expert's rank is how many others beat it (higher, or equal at a lower
+    // index: the order the arg-max rounds below pick in); ranks below k are the picks, in order. Cheaper
+    // than k rounds of block-wide reductions for up to a few hundred experts. `picked` starts at 0 so that
+    // non-finite scores (which rank nothing consistently) still name a valid expert.
+    if (tid < k) picked[tid] = 0;
+    __syncthreads();
+    for (int e = tid; e < E; e += NT) {
+      const float c = choice[e];
+      int rank = 0;
+#pragma unroll 8
+      for (int j = 0; j < E; ++j) {
+        const float o = choice[j];
+        rank += (o > c) | ((o == c) & (j < e));
+      }
+      if (rank < k) picked[rank] = e;
+    }
+    __syncthreads();
+  } else
   // Top-k: k block-wide arg-max rounds over `choice`, each taking its winner out.
   for (int r = 0; r < k; ++r) {
     float v = ROUTE_NEG_INF;
     int i = 0x7fffffff;
-    for (int e = tid; e < E; e += ROUTE_THREADS) {
+    for (int e = tid; e < E; e += NT) {
       const float c = choice[e];
       if (c > v || (c == v && e < i)) { v = c; i = e; }
     }
@@ -564,6 +546,66 @@ extern "C" __global__ void __launch_bounds__(ROUTE_THREADS) moe_route(
       weights[(size_t)t * k + r] = out;
     }
   }
+}
+
+extern "C" __global__ void __launch_bounds__(ROUTE_EPB * 32) moe_route(
+    const u16* __restrict__ x,            // [T, H] bf16
+    const void* __restrict__ w,           // [E, H] bf16 (w_fp32 = 0) or fp32
+    const float* __restrict__ logit_bias, // [E] or null (gpt-oss router bias, added before rounding)
+    const float* __restrict__ choice_bias,// [E] or null (sigmoid correction bias)
+    float* __restrict__ logits,           // [T, E] scratch
+    unsigned int* __restrict__ counters,  // [T], zero before and after the launch
+    long long* __restrict__ ids,          // [T, k]
+    float* __restrict__ weights,          // [T, k]
+    int H, int E, int w_fp32, int round_logits, int k, int mode, int n_group, int topk_group, int renormalize,
+    float scale) {
+  const int lane = threadIdx.x & 31;
+  const int e = blockIdx.x * ROUTE_EPB + (threadIdx.x >> 5);
+  const int t = blockIdx.y;
+  if (e < E) {
+    const u16* xr = x + (size_t)t * H;
+    float acc = 0.f;
+    if (w_fp32) {
+      const float* row = reinterpret_cast<const float*>(w) + (size_t)e * H;
+#pragma unroll 8
+      for (int h = lane; h < H; h += 32) acc += bf16_to_f32(xr[h]) * row[h];
+    } else {
+      const u16* row = reinterpret_cast<const u16*>(w) + (size_t)e * H;
+      if ((H & 7) == 0) {
+        // Unrolled so that several 16-byte loads are in flight per lane (the row is only H / 256 of them).
+#pragma unroll 8
+        for (int h = lane * 8; h < H; h += 256) {
+          const uint4 wv = *reinterpret_cast<const uint4*>(row + h);
+          const uint4 xv = *reinterpret_cast<const uint4*>(xr + h);
+          const u32 ws[4] = {wv.x, wv.y, wv.z, wv.w}, xs[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            acc += bf16_to_f32((u16)(xs[j] & 0xffffu)) * bf16_to_f32((u16)(ws[j] & 0xffffu)) +
+                   bf16_to_f32((u16)(xs[j] >> 16)) * bf16_to_f32((u16)(ws[j] >> 16));
+        }
+      } else {
+        for (int h = lane; h < H; h += 32) acc += bf16_to_f32(xr[h]) * bf16_to_f32(row[h]);
+      }
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) {
+      if (logit_bias) acc += logit_bias[e];
+      logits[(size_t)t * E + e] = round_logits ? bf16_to_f32(f32_to_bf16(acc)) : acc;
+    }
+  }
+  // Publish this CTA's logits, then count it; the token's last CTA sees every other CTA's logits.
+  // Release/acquire fences at GPU scope (what the pattern needs; __threadfence is a sequentially
+  // consistent one, MEMBAR.SC, which is slower).
+  __shared__ int last;
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counters + t, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  if (threadIdx.x == 0) counters[t] = 0u;
+  route_topk<ROUTE_EPB * 32>(logits, choice_bias, ids, weights, t, E, k, mode, n_group, topk_group, renormalize, scale);
 }
 
 // ------------------------------------------------------------------------------------------------

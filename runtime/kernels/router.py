@@ -1,8 +1,8 @@
-"""The router kernels: a few tokens' logits (`moe_route_logits`), then scores and top-k (`moe_route`).
+"""The router kernel `moe_route`: a few tokens' logits, scores and top-k in one launch.
 
 Used by the router modules of `runtime/routing.py` for bf16 tokens on a CUDA device, up to
 `MAX_TOKENS` tokens (decode batches, where a dozen small torch kernels cost more than the router's
-bytes: two launches instead); larger batches keep torch's path, whose GEMM reuses the weight across tokens. Same rules and
+bytes: one launch instead); larger batches keep torch's path, whose GEMM reuses the weight across tokens. Same rules and
 numerics as the torch functions: fp32 products and sums, logits rounded to bf16 where torch's bf16 GEMM
 rounds them, ties to the lower expert index.
 """
@@ -34,6 +34,17 @@ def applies(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, n_group: int
 
 
 _LOADED: dict = {}
+# Per device: the kernel's per-token arrival counters, zero between launches (the kernel's last CTA of each
+# token resets its own). Made at the first call, which a decoder's warm-up makes before any capture. One
+# set per device: two router calls must not run at once on two streams of one device (no build does that).
+_COUNTERS: dict = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        counters = _COUNTERS[device] = torch.zeros(MAX_TOKENS, dtype=torch.int32, device=device)
+    return counters
 
 
 def _kernels(device: torch.device):
@@ -79,10 +90,9 @@ def route(
     i32, f32 = np.int32, np.float32
     kern = _kernels(hidden.device)
     stream = torch.cuda.current_stream(hidden.device).cuda_stream
-    kern.launch("moe_route_logits", ((experts + 3) // 4, tokens), (128,),
-                (_ptr(hidden), _ptr(weight.contiguous()), _ptr(lb), _ptr(logits), i32(hsize), i32(experts),
-                 i32(weight.dtype == torch.float32), i32(round_logits)), stream)
-    kern.launch("moe_route", (tokens,), (256,),
-                (_ptr(logits), _ptr(cb), _ptr(ids), _ptr(weights), i32(experts), i32(top_k), i32(mode),
-                 i32(n_group), i32(topk_group), i32(renormalize), f32(scale)), stream, shared_mem=8 * experts)
+    kern.launch("moe_route", ((experts + 3) // 4, tokens), (128,),
+                (_ptr(hidden), _ptr(weight.contiguous()), _ptr(lb), _ptr(cb), _ptr(logits),
+                 _ptr(_counters(hidden.device)), _ptr(ids), _ptr(weights), i32(hsize), i32(experts),
+                 i32(weight.dtype == torch.float32), i32(round_logits), i32(top_k), i32(mode), i32(n_group),
+                 i32(topk_group), i32(renormalize), f32(scale)), stream, shared_mem=8 * experts)
     return ids, weights

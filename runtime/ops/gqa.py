@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+from runtime.kernels import rotary_cache
 from runtime.ops.attention_core import attention
 from runtime.ops.kv_cache import StaticCache
 from runtime.ops.linear import ColumnParallelLinear, RowParallelLinear, new_param, split
@@ -100,6 +102,7 @@ class GQAttention(nn.Module):
             )
         # One learned logit per query head, split with the heads.
         self.sinks = new_param(self.local_heads, dtype=dtype, shard=(0, tp_rank, tp_size)) if sinks else None
+        self.fuse_projections()
 
     def new_cache(
         self, *, batch_size: int, max_seq_len: int, dtype: torch.dtype, device: torch.device | str | None = None
@@ -110,6 +113,43 @@ class GQAttention(nn.Module):
             dtype=dtype, device=device,
         )
 
+    def fuse_projections(self) -> None:
+        """Concatenate q/k/v weights (and biases) into one tensor the three parameters then view, so a CUDA
+        forward runs one GEMM (one GEMV at decode) for all three. Called at construction on CUDA and after a
+        load (a build constructed on the meta device gets its parameters then); the checkpoint names stay
+        `q_proj k_proj v_proj`. A later `.to()` gives the parameters new storage: the forward sees that
+        (`_qkv`) and runs the three projections until this is called again."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        weights = [p.weight for p in projections]
+        if self._qkv() is not None or any(w.device.type != "cuda" for w in weights):
+            return   # the CPU path runs the three projections: nothing to fuse there (nor on meta)
+        if len({(w.device, w.dtype, w.shape[1]) for w in weights}) > 1:
+            return
+        fused = []
+        for name in ("weight", "bias"):
+            parts = [getattr(p, name) for p in projections]
+            if any(t is None for t in parts):
+                fused.append(None)
+                continue
+            whole = torch.cat([t.detach() for t in parts], dim=0)
+            start = 0
+            for t in parts:
+                t.data = whole[start : start + t.shape[0]]
+                start += t.shape[0]
+            fused.append(whole)
+        self._qkv_fused = (fused, self._qkv_pointers())
+
+    def _qkv_pointers(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() if t is not None else 0
+                     for p in (self.q_proj, self.k_proj, self.v_proj) for t in (p.weight, p.bias))
+
+    def _qkv(self) -> list | None:
+        """`[weight, bias]` of the fused projection while the parameters still view it, else None."""
+        fused = self.__dict__.get("_qkv_fused")
+        if fused is None or fused[1] != self._qkv_pointers():
+            return None
+        return fused[0]
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -119,31 +159,66 @@ class GQAttention(nn.Module):
         cache: StaticCache | None = None,
     ) -> torch.Tensor:
         batch, seq, _ = hidden.shape
-        q = self.q_proj(hidden)
+        fused = self._qkv() if hidden.is_cuda else None
+        q_rows = self.q_proj.weight.shape[0]
+        kv_rows = self.k_proj.weight.shape[0]
+        if fused is not None:
+            qkv = F.linear(hidden, *fused)
+            q, k, v = qkv.split((q_rows, kv_rows, kv_rows), dim=-1)
+        else:
+            qkv = None
+            q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        gate = None
         if self.output_gate:
-            q, gate = q.view(batch, seq, self.local_heads, 2 * self.head_dim).chunk(2, dim=-1)
-            q, gate = q.reshape(batch, seq, -1), gate.reshape(batch, seq, -1)
-        k = self.k_proj(hidden)
-        v = self.v_proj(hidden).view(batch, seq, self.local_kv_heads, self.head_dim)
+            gate = q.view(batch, seq, self.local_heads, 2 * self.head_dim)[..., self.head_dim :].reshape(batch, seq, -1)
+
+        if qkv is not None and cache is not None and self._fused_cache_write(qkv, cos, cache):
+            # Norms, rotary and the cache write in one launch (runtime.kernels.rotary_cache).
+            q = rotary_cache.apply(
+                qkv, positions, cos if self.rotary else None, sin if self.rotary else None,
+                self.q_norm.weight if self.qk_norm == "head" else None,
+                self.k_norm.weight if self.qk_norm == "head" else None,
+                cache.first, cache.second, q_heads=self.local_heads, kv_heads=self.local_kv_heads,
+                head_dim=self.head_dim, q_head_stride=(2 if self.output_gate else 1) * self.head_dim,
+                k_offset=q_rows, v_offset=q_rows + kv_rows,
+                **(dict(eps=self.q_norm.eps, multiply_in_fp32=self.q_norm.multiply_in_fp32,
+                        zero_centered=self.q_norm.zero_centered) if self.qk_norm == "head" else {}),
+            )
+            k, v, k_positions = cache.first, cache.second, cache.positions
+        else:
+            q, k, v, k_positions = self._unfused(q, k, v, positions, cos, sin, cache)
+        out = attention(
+            q, k, v, positions, k_positions, self.scale, self.sliding_window, self.sinks, self_keys=cache is None
+        )
+        out = out.reshape(batch, seq, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+    def _fused_cache_write(self, qkv: torch.Tensor, cos: torch.Tensor, cache: StaticCache) -> bool:
+        if self.qk_norm == "projection" or self.interleaved_rope or cache.packed is not None:
+            return False
+        if self.qk_norm == "head" and not (self.q_norm.weight.dtype == self.k_norm.weight.dtype == qkv.dtype
+                                           and self.q_norm.eps == self.k_norm.eps):
+            return False
+        return rotary_cache.applies(qkv, cos if self.rotary else None, cache.first, cache.second)
+
+    def _unfused(self, q, k, v, positions, cos, sin, cache):
+        """Norms, rotary and the cache write op by op (the CPU path, and what the fused kernel reproduces)."""
+        batch, seq = q.shape[:2]
+        if self.output_gate:
+            q = q.view(batch, seq, self.local_heads, 2 * self.head_dim)[..., : self.head_dim].reshape(batch, seq, -1)
+        v = v.reshape(batch, seq, self.local_kv_heads, self.head_dim)
         if self.qk_norm == "projection":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q.view(batch, seq, self.local_heads, self.head_dim)
-        k = k.view(batch, seq, self.local_kv_heads, self.head_dim)
+        q = q.reshape(batch, seq, self.local_heads, self.head_dim)
+        k = k.reshape(batch, seq, self.local_kv_heads, self.head_dim)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary:
             q = apply_rotary(q, cos, sin, self.interleaved_rope)
             k = apply_rotary(k, cos, sin, self.interleaved_rope)
-
         if cache is None:
-            k, v, k_positions = k.transpose(1, 2), v.transpose(1, 2), positions
-        else:
-            k, v = cache.update(positions, k, v)
-            k_positions = cache.positions
-        out = attention(
-            q, k, v, positions, k_positions, self.scale, self.sliding_window, self.sinks, self_keys=cache is None
-        )
-        out = out.reshape(batch, seq, -1)
-        if self.output_gate:
-            out = out * torch.sigmoid(gate)
-        return self.o_proj(out)
+            return q, k.transpose(1, 2), v.transpose(1, 2), positions
+        k, v = cache.update(positions, k, v)
+        return q, k, v, cache.positions

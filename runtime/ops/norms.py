@@ -36,6 +36,15 @@ class RMSNorm(nn.Module):
         self.multiply_in_fp32 = multiply_in_fp32 or zero_centered
         self.weight = new_param(hidden_size, dtype=dtype)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(norm(x + residual), x + residual)`, the sum rounded to the input dtype as torch's add rounds it;
+        on CUDA one kernel launch for both."""
+        if rms_norm_kernel.applies(x, self.weight) and residual.shape == x.shape and residual.dtype == x.dtype \
+                and residual.stride(-1) == 1:
+            return rms_norm_kernel.rms_norm(x, self.weight, self.eps, self.multiply_in_fp32, self.zero_centered, residual)
+        total = residual + x
+        return self(total), total
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if rms_norm_kernel.applies(x, self.weight):
             return rms_norm_kernel.rms_norm(x, self.weight, self.eps, self.multiply_in_fp32, self.zero_centered)

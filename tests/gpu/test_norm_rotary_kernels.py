@@ -75,3 +75,20 @@ def test_rotary_kernel_is_bit_identical_to_the_torch_path(case, monkeypatch):
         ref = torch.cat((a * c - b * s, b * c + a * s), -1)
     ref = torch.cat((ref, xd[..., rotary_dim:]), -1)
     assert float((fused.double() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("mode", ["cast_then_weight", "fp32_multiply"])
+def test_rms_norm_kernel_with_a_residual_adds_then_norms(mode, monkeypatch):
+    """`add_forward` (the pre-norm layer's `h + attn` and its norm in one launch): the sum bit-identical to
+    torch's bf16 add, the norm within one bf16 rounding of the torch path on that sum."""
+    gen = _gen()
+    norm = RMSNorm(hidden_size=2048, eps=1e-6, multiply_in_fp32=mode == "fp32_multiply", dtype=torch.bfloat16).cuda()
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(2048, generator=gen, device="cuda"))
+        x = torch.randn(8, 1, 2048, generator=gen, device="cuda").to(torch.bfloat16)
+        residual = (4 * torch.randn(8, 1, 2048, generator=gen, device="cuda")).to(torch.bfloat16)
+        normed, total = norm.add_forward(x, residual)
+        monkeypatch.setattr(rms_norm_kernel, "applies", lambda *a: False)
+        torch_normed, torch_total = norm.add_forward(x, residual)
+    assert torch.equal(total, residual + x) and torch.equal(torch_total, residual + x)
+    torch.testing.assert_close(normed, torch_normed, rtol=2 ** -7, atol=0)

@@ -85,3 +85,17 @@ def test_projection_norm_matches_minimax_m2_qk_norm(dtype):
         torch.testing.assert_close(ours(x), theirs(x), rtol=2**-7, atol=2**-7)
     else:
         torch.testing.assert_close(ours(x), theirs(x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_forward_is_the_residual_sum_and_its_norm(dtype):
+    g = torch.Generator().manual_seed(11)
+    norm = RMSNorm(hidden_size=96, eps=1e-6, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.3 * torch.randn(96, generator=g))
+    x = torch.randn(3, 4, 96, generator=g).to(dtype)
+    residual = (3 * torch.randn(3, 4, 96, generator=g)).to(dtype)
+    normed, total = norm.add_forward(x, residual)
+    assert torch.equal(total, residual + x)
+    assert torch.equal(normed, norm(residual + x))
+    assert not torch.equal(normed, norm(x))
