@@ -143,8 +143,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = post_attention_layernorm
 
     def forward(self, hidden, positions, cos, sin, cache=None):
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, cos, sin, cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attended = self.self_attn(self.input_layernorm(hidden), positions, cos, sin, cache)
+        # `hidden + attended` and its norm in one launch on CUDA (RMSNorm.add_forward).
+        normed, hidden = self.post_attention_layernorm.add_forward(attended, hidden)
+        return hidden + self.mlp(normed)
 
 
 def make_layer(index, experts_cls, layout, rank, dtype):
