@@ -1,6 +1,6 @@
 """One cached decode step of grouped-query attention in two Triton launches: split-K partials over blocks of
-the static cache (each program: one key/value head, its G query heads, BLOCK_N slots; scores, the mask from
-positions, a block softmax), then their combination, with gpt-oss's sink logit joining the normaliser.
+the static cache (each program: one key/value head, its G query heads, a run of BLOCK_N-slot blocks; scores, the
+mask from positions, an online softmax), then their combination, with gpt-oss's sink logit joining the normaliser.
 
 Torch's path for the same step is three mask kernels (positions -> boolean -> additive) and cuDNN's
 two, or for sinks the memory-efficient kernel with a folded bias and a rescale (~67 µs per call at
@@ -29,6 +29,11 @@ def _kernels():
     return triton, decode_partials, decode_combine
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, k_positions: torch.Tensor) -> bool:
     """A one-token step (`q [B, 1, Hq, D]`) over `k`/`v [B, Hkv, L, D]` of q's dtype on CUDA, D a power of two
     from 16 to 256, at most 64 query heads per key/value head."""
@@ -54,8 +59,9 @@ def attention(q, k, v, q_positions, k_positions, scale: float, sliding_window: i
     kv_heads, length = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
     g_pad = max(16, triton.next_power_of_2(group))
-    splits = triton.cdiv(length, BLOCK_N)
-    rows = batch * kv_heads * g_pad * splits
+    # Enough programs for two per SM, each over whole blocks: few splits (and little scratch) at large batch.
+    splits = max(1, min(triton.cdiv(length, BLOCK_N), triton.cdiv(2 * _sm_count(q.device), batch * kv_heads)))
+    rows = batch * kv_heads * group * splits
     m = torch.empty(rows, dtype=torch.float32, device=q.device)
     l = torch.empty(rows, dtype=torch.float32, device=q.device)
     acc = torch.empty(rows, dim, dtype=torch.float32, device=q.device)

@@ -16,28 +16,38 @@ def decode_partials(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, m_ptr, l_ptr, acc_p
     h = (bh % kv_heads).to(tl.int64)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, DIM)
-    n = split * BLOCK_N + tl.arange(0, BLOCK_N)
-    in_len = n < length
     # The G query heads of this key/value head (rows h*G .. h*G+G-1, repeat_kv order), padded to G_PAD.
     q = tl.load(q_ptr + b * q_b + (h * GROUP + g)[:, None] * q_h + d[None, :], mask=(g < GROUP)[:, None], other=0.0)
-    k = tl.load(k_ptr + b * k_b + h * k_h + n[:, None] * k_l + d[None, :], mask=in_len[:, None], other=0.0)
-    s = tl.dot(q, tl.trans(k)) * scale
     p_q = tl.load(qpos_ptr)
-    p_k = tl.load(kpos_ptr + n, mask=in_len, other=0)
-    allowed = in_len & (p_k <= p_q)
-    if WINDOW:
-        allowed = allowed & (p_k > p_q - window)
-    s = tl.where(allowed[None, :], s, float("-inf"))
-    m = tl.max(s, axis=1)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    p = tl.exp(s - m_safe[:, None])
-    l = tl.sum(p, axis=1)
-    v = tl.load(v_ptr + b * v_b + h * v_h + n[:, None] * v_l + d[None, :], mask=in_len[:, None], other=0.0)
-    acc = tl.dot(p.to(v.dtype), v)
-    row = (bh * G_PAD + g).to(tl.int64) * splits + split
-    tl.store(m_ptr + row, m)
-    tl.store(l_ptr + row, l)
-    tl.store(acc_ptr + row[:, None] * DIM + d[None, :], acc)
+    blocks = tl.cdiv(length, BLOCK_N)
+    per = tl.cdiv(blocks, splits)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    acc = tl.zeros([G_PAD, DIM], dtype=tl.float32)
+    # This split's blocks of BLOCK_N slots, with a running (online) softmax over them.
+    for blk in range(split * per, tl.minimum(split * per + per, blocks)):
+        n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_len = n < length
+        k = tl.load(k_ptr + b * k_b + h * k_h + n[:, None] * k_l + d[None, :], mask=in_len[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        p_k = tl.load(kpos_ptr + n, mask=in_len, other=0)
+        allowed = in_len & (p_k <= p_q)
+        if WINDOW:
+            allowed = allowed & (p_k > p_q - window)
+        s = tl.where(allowed[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + b * v_b + h * v_h + n[:, None] * v_l + d[None, :], mask=in_len[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    row = (bh * GROUP + g).to(tl.int64) * splits + split
+    real = g < GROUP
+    tl.store(m_ptr + row, m_i, mask=real)
+    tl.store(l_ptr + row, l_i, mask=real)
+    tl.store(acc_ptr + row[:, None] * DIM + d[None, :], acc, mask=real[:, None])
 
 
 @triton.jit
@@ -51,7 +61,7 @@ def decode_combine(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, kv_heads, splits,
     h = hq // GROUP
     g = hq % GROUP
     d = tl.arange(0, DIM)
-    base = ((b * kv_heads + h) * G_PAD + g).to(tl.int64) * splits
+    base = ((b * kv_heads + h) * GROUP + g).to(tl.int64) * splits
     top = tl.full([], float("-inf"), tl.float32)
     for start in range(0, splits, CHUNK):
         i = start + tl.arange(0, CHUNK)
