@@ -1,7 +1,10 @@
 """Attention on CUDA through torch's fused scaled-dot-product kernels, reading bf16 keys and values in place.
 
-Two paths, chosen from shapes and flags only (never from tensor values, so a decode step captures in a
+Paths chosen from shapes and flags only (never from tensor values, so a decode step captures in a
 CUDA graph):
+
+- a one-token step over the cache (GQA, sinks and windows too): `runtime.kernels.attention_decode`, a
+  split-K Triton kernel reading K/V in place, the mask computed from positions inside it;
 
 - keys are the queries' own tokens with a plain causal mask (prefill without a window or sinks):
   `scaled_dot_product_attention(is_causal=True, enable_gqa=...)`, the flash kernel, no mask tensor and
@@ -20,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from runtime.kernels import attention_decode
 from runtime.ops.attention_core import allowed_keys
 
 # The memory-efficient kernel reads its bias in rows whose stride is a multiple of 16 elements.
@@ -40,6 +44,9 @@ def attention(
     batch, seq, q_heads, dim = q.shape
     kv_heads = k.shape[1]
     group = q_heads // kv_heads
+    if not self_keys and attention_decode.applies(q, k, v, q_positions, k_positions):
+        # A one-token step over the cache, sinks and windows included: the split-K Triton kernel.
+        return attention_decode.attention(q, k, v, q_positions, k_positions, scale, sliding_window, sinks)
     if self_keys and sliding_window is None and sinks is None:
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k, v, is_causal=True, scale=scale, enable_gqa=group > 1
