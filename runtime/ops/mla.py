@@ -142,5 +142,10 @@ class MLAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.local_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w.split((self.qk_nope_head_dim, self.v_head_dim), dim=1)
         q = torch.cat((torch.einsum("bshd,hdr->bshr", q_nope, w_uk), q_rot), dim=-1)
-        out = attention(q, cache.packed, cache.first, positions, cache.positions, self.scale)
-        return torch.einsum("bshr,hvr->bshv", out, w_uv)
+        batch, seq, heads, _ = q.shape
+        # One key head serves every query head: fold the heads into `seq * heads` query rows of that head
+        # (row s * heads + h at position s), so the scores are one batched matmul over the cache as stored.
+        # Left as GQA, torch's kernels either refuse 576-wide heads or repeat the cache once per head.
+        rows = q.reshape(batch, seq * heads, 1, -1)
+        out = attention(rows, cache.packed, cache.first, positions.repeat_interleave(heads), cache.positions, self.scale)
+        return torch.einsum("bshr,hvr->bshv", out.view(batch, seq, heads, -1), w_uv)
