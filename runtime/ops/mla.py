@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from runtime.ops.attention_core import attention
+from runtime.ops.attention_core import attention, eager_attention
 from runtime.ops.kv_cache import StaticCache
 from runtime.ops.linear import ColumnParallelLinear, RowParallelLinear, split
 from runtime.ops.norms import RMSNorm
@@ -144,8 +144,11 @@ class MLAttention(nn.Module):
         q = torch.cat((torch.einsum("bshd,hdr->bshr", q_nope, w_uk), q_rot), dim=-1)
         batch, seq, heads, _ = q.shape
         # One key head serves every query head: fold the heads into `seq * heads` query rows of that head
-        # (row s * heads + h at position s), so the scores are one batched matmul over the cache as stored.
-        # Left as GQA, torch's kernels either refuse 576-wide heads or repeat the cache once per head.
+        # (row s * heads + h at position s), so each product is one batched matmul over the cache as stored,
+        # on CUDA too. Left as GQA, SDPA repeats the 576-wide cache once per head (deepseek_v3 B=32: 88 ms
+        # a step); folded, its only kernel for 576-wide heads is the memory-efficient one, whose 32-row
+        # tiles give 4 CTAs at B=1 (118 µs a layer on an H200, bench/build.py --profile, 2026-12-01).
         rows = q.reshape(batch, seq * heads, 1, -1)
-        out = attention(rows, cache.packed, cache.first, positions.repeat_interleave(heads), cache.positions, self.scale)
+        out = eager_attention(rows, cache.packed, cache.first, positions.repeat_interleave(heads), cache.positions,
+                              self.scale)
         return torch.einsum("bshr,hvr->bshv", out.view(batch, seq, heads, -1), w_uv)
