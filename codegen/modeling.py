@@ -84,6 +84,11 @@ def _context(decl: Declaration, plan: BuildPlan, registry: Registry, generic: bo
     c = normalize(family, decl.config, f"model {decl.model.name}")
     has_dense = any(l.kind != "moe" for l in plan.layers)
     ops = set(_OPS) | set(spec.attention_ops)
+    # The template's make_mtp (and its op) only where this build's draft file calls it.
+    draft = generic_draft(decl) if generic else plan.draft
+    mtp_builder = bool(spec.mtp_tree) and draft is not None and draft.kind in ("embedded_mtp", "replacement_mtp")
+    if mtp_builder:
+        ops.add(spec.mtp_predictor)
     if has_dense or spec.shared_experts:
         ops.add("MLP")
     impls = sorted({l.impl for l in plan.layers if l.impl})
@@ -99,6 +104,7 @@ def _context(decl: Declaration, plan: BuildPlan, registry: Registry, generic: bo
         generic=generic,
         c=c,
         has_dense=has_dense,
+        mtp_builder=mtp_builder,
         experts_key=spec.experts_key,
         intermediate_key=spec.intermediate_key,
         mlp_attr=spec.mlp_attr,
@@ -167,7 +173,7 @@ def render_draft(decl: Declaration, plan: BuildPlan, registry: Registry, command
     summary = [line for line in _summary(plan) if " draft " in line]
     return render_python(
         "draft_mtp.py.j2", f"{plan.model}/{plan.target}/draft.py", command, plan.fingerprint, f"Draft of {plan.target}.",
-        plan=plan, draft=draft, summary=summary, generic=False,
+        plan=plan, draft=draft, summary=summary, generic=False, **_mtp_kind(spec),
         experts_imports=sorted((m, sorted(set(n))) for m, n in imports.items()),
         implementations=[(i, registry.impl(i).class_name, registry.impl(i).backend) for i in impls],
         cpu_impls=tuple(i for i in impls if registry.impl(i).cpu),
@@ -212,7 +218,8 @@ def _render_external(decl: Declaration, plan: BuildPlan, registry: Registry, com
 
 def mtp_families() -> str:
     """The families whose embedded and replacement-head MTP drafts the runtime builds, for messages."""
-    return " and ".join(name for name, spec in FAMILIES.items() if spec.mtp_draft)
+    names = [name for name, spec in FAMILIES.items() if spec.mtp_draft]
+    return " and ".join(filter(None, (", ".join(names[:-1]), names[-1])))
 
 
 def eagle3_aux_layers(config: dict, target_layers: int) -> tuple[int, ...]:
@@ -265,4 +272,12 @@ def render_generic_draft(decl: Declaration, plan: BuildPlan, command: str) -> st
                "own selection (RULES DR1, DR2, GN1)."]
     return render_python("draft_mtp.py.j2", f"{plan.model}/generic/draft.py", command, fingerprint(inputs),
                          f"Generic draft of {plan.model}.", plan=SimpleNamespace(model=plan.model), draft=draft,
-                         summary=summary, generic=True)
+                         summary=summary, generic=True, **_mtp_kind(decl.family))
+
+
+def _mtp_kind(spec) -> dict:
+    """What draft_mtp.py.j2 reads of the family: its MTP layers as `model.layers.<i>` blocks (MTPDraft) or as a
+    tree of their own (PredictorMTPDraft, its checkpoint names of the backbone and final norm)."""
+    if spec.mtp_tree:
+        return {"draft_class": "PredictorMTPDraft", "mtp_tree": spec.mtp_tree, "names": spec.backbone_names}
+    return {"draft_class": "MTPDraft", "mtp_tree": None, "names": None}
