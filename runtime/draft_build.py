@@ -61,7 +61,7 @@ def _positions(next_token_ids, positions):
 
 class MTPDraft(DraftBuild):
     """MTP layers (embedded in the target's checkpoint, or a replacement head), each named as the
-    checkpoint's `model.layers.<index>`: `x = eh_proj(cat([enorm(embed(token[t+1])), hnorm(h[t])]))`, the
+    checkpoint's `model.layers.<index>` (embedded draft stages: `model.<tree>.<k>`, `stages`): `x = eh_proj(cat([enorm(embed(token[t+1])), hnorm(h[t])]))`, the
     target family's decoder layer (`arch.make_layer`), `shared_head` for the logits, its own embedding copy.
 
     `forward(next_token_ids [B, S], target_hidden [B, S, H], positions [S], cache, step=0) -> (logits, hidden)`:
@@ -73,16 +73,20 @@ class MTPDraft(DraftBuild):
     INPUT = "hidden"
 
     def __init__(self, arch: Architecture, rms_norm_eps: float, *, layers, layout: Layout, implementations: dict,
-                 rank: int = 0, dtype: torch.dtype = torch.bfloat16, device="cpu", **scaffold):
+                 rank: int = 0, dtype: torch.dtype = torch.bfloat16, device="cpu", stages: tuple[str, int] | None = None,
+                 **scaffold):
         super().__init__(layout=layout, implementations=implementations, device=device, rank=rank, dtype=dtype, **scaffold)
         self.layout, self._layers = layout, tuple(layers)
+        # Embedded draft stages (RULES DR7), `stages = (tree, first index)`: the same MTP-like layers, chained the
+        # same way, named `model.<tree>.<k>` with k = index - first index (DeepSeek-V4-Flash's `model.draft_stages.<k>`).
+        tree, first = stages if stages is not None else ("layers", 0)
         with torch.device(device):
             self.model = nn.Module()
-            self.model.layers = nn.ModuleDict(
-                {str(i): _mtp_layer(arch, rms_norm_eps, i, implementations[impl][0], layout, rank, dtype) for i, impl in layers}
-            )
+            self.model.add_module(tree, nn.ModuleDict(
+                {str(i - first): _mtp_layer(arch, rms_norm_eps, i, implementations[impl][0], layout, rank, dtype) for i, impl in layers}
+            ))
             self.rotary_emb = arch.make_rotary()
-        self.blocks = tuple(self.model.layers[str(i)] for i, _ in layers)
+        self.blocks = tuple(getattr(self.model, tree)[str(i - first)] for i, _ in layers)
         build.log_implementations(implementations)
 
     def draft_layer_ids(self):
