@@ -6,6 +6,8 @@ classes and their imports, the layer table, and the one-paragraph summary at the
 
 from __future__ import annotations
 
+import re
+
 from codegen.modelspec import normalize
 from codegen.plan import BuildPlan
 from codegen.render import py_block, render_python
@@ -84,6 +86,11 @@ def _context(decl: Declaration, plan: BuildPlan, registry: Registry, generic: bo
     c = normalize(family, decl.config, f"model {decl.model.name}")
     has_dense = any(l.kind != "moe" for l in plan.layers)
     ops = set(_OPS) | set(spec.attention_ops)
+    # The template's make_mtp (and its op) only where this build's draft file calls it.
+    draft = generic_draft(decl) if generic else plan.draft
+    mtp_builder = bool(spec.mtp_tree) and draft is not None and draft.kind in ("embedded_mtp", "replacement_mtp")
+    if mtp_builder:
+        ops.add(spec.mtp_predictor)
     if has_dense or spec.shared_experts:
         ops.add("MLP")
     impls = sorted({l.impl for l in plan.layers if l.impl})
@@ -99,6 +106,7 @@ def _context(decl: Declaration, plan: BuildPlan, registry: Registry, generic: bo
         generic=generic,
         c=c,
         has_dense=has_dense,
+        mtp_builder=mtp_builder,
         experts_key=spec.experts_key,
         intermediate_key=spec.intermediate_key,
         mlp_attr=spec.mlp_attr,
@@ -110,7 +118,7 @@ def _context(decl: Declaration, plan: BuildPlan, registry: Registry, generic: bo
         honored=_constant(plan.moe_impls_honored),
         draft_honored=_constant(plan.draft_moe_impls_honored),
         # The draft's tensors live in the checkpoint beside the target's: the target build skips exactly those.
-        ignored=spec.draft_ignore(decl.config),
+        ignored=spec.draft_ignore(decl.config) + stages_ignore(decl),
         experts_spec=_experts_spec(decl, c),
         rope_literal=_constant(c["rope"]),
         windows_literal=_constant(c["sliding_windows"]),
@@ -152,12 +160,15 @@ def render_draft(decl: Declaration, plan: BuildPlan, registry: Registry, command
 
         raise GenerationError(f"{plan.target}: {spec.mtp_refusal}, so {draft.name} has nothing to load; declare an eagle3 or "
                               "external draft for this model")
-    if draft.kind not in ("embedded_mtp", "replacement_mtp") or not spec.mtp_draft:
+    stages_of = tuple(name for name, s in FAMILIES.items() if s.mtp_draft and not s.mtp_tree)
+    if (draft.kind not in ("embedded_mtp", "replacement_mtp", "draft_stages") or not spec.mtp_draft
+            or (draft.kind == "draft_stages" and spec.name not in stages_of)):
         from codegen.errors import GenerationError
 
         raise GenerationError(
-            f"{plan.target}: the runtime builds embedded and replacement-head MTP drafts of {mtp_families()}, external drafters and Eagle3 heads; "
-            f"{draft.name} is a {draft.kind} draft of family {spec.name}: declare the target's selection without this spec_mode"
+            f"{plan.target}: the runtime builds embedded and replacement-head MTP drafts of {mtp_families()}, draft stages of "
+            f"{' and '.join(stages_of)}, external drafters and Eagle3 heads; {draft.name} is a {draft.kind} draft of family "
+            f"{spec.name}: declare the target's selection without this spec_mode"
         )
     impls = sorted({l.impl for l in draft.layers})
     imports: dict[str, list[str]] = {}
@@ -167,7 +178,8 @@ def render_draft(decl: Declaration, plan: BuildPlan, registry: Registry, command
     summary = [line for line in _summary(plan) if " draft " in line]
     return render_python(
         "draft_mtp.py.j2", f"{plan.model}/{plan.target}/draft.py", command, plan.fingerprint, f"Draft of {plan.target}.",
-        plan=plan, draft=draft, summary=summary, generic=False,
+        plan=plan, draft=draft, summary=summary, generic=False, **_mtp_kind(spec),
+        stages=_stages_tree(decl, plan) if draft.kind == "draft_stages" else None,
         experts_imports=sorted((m, sorted(set(n))) for m, n in imports.items()),
         implementations=[(i, registry.impl(i).class_name, registry.impl(i).backend) for i in impls],
         cpu_impls=tuple(i for i in impls if registry.impl(i).cpu),
@@ -212,7 +224,8 @@ def _render_external(decl: Declaration, plan: BuildPlan, registry: Registry, com
 
 def mtp_families() -> str:
     """The families whose embedded and replacement-head MTP drafts the runtime builds, for messages."""
-    return " and ".join(name for name, spec in FAMILIES.items() if spec.mtp_draft)
+    names = [name for name, spec in FAMILIES.items() if spec.mtp_draft]
+    return " and ".join(filter(None, (", ".join(names[:-1]), names[-1])))
 
 
 def eagle3_aux_layers(config: dict, target_layers: int) -> tuple[int, ...]:
@@ -265,4 +278,40 @@ def render_generic_draft(decl: Declaration, plan: BuildPlan, command: str) -> st
                "own selection (RULES DR1, DR2, GN1)."]
     return render_python("draft_mtp.py.j2", f"{plan.model}/generic/draft.py", command, fingerprint(inputs),
                          f"Generic draft of {plan.model}.", plan=SimpleNamespace(model=plan.model), draft=draft,
-                         summary=summary, generic=True)
+                         summary=summary, generic=True, stages=None, **_mtp_kind(decl.family))
+
+
+def _stages_tree(decl: Declaration, plan: BuildPlan) -> str:
+    """The module under `model.` that holds the draft stages (RULES DR7), read from the declared experts prefix.
+
+    What a draft stage is at run time (assumed; DeepSeek-V4-Flash's stages are not public): an MTP-like layer each,
+    laid out and chained as DeepSeek-V3's MTP layers are (`enorm`, `hnorm`, `eh_proj`, the family's decoder layer,
+    `shared_head`, its own `embed_tokens`), named `model.<tree>.<k>` instead of `model.layers.<61 + k>`; its
+    experts in their own format (the declaration's quant metadata for that prefix)."""
+    from codegen.errors import GenerationError
+
+    declared = next(d for d in decl.drafts if d.name == plan.draft.name)
+    found = re.fullmatch(r"model\.([a-z][a-z0-9_]*)\.\{k\}\." + re.escape(decl.family.mlp_attr) + r"\.experts", declared.experts_prefix)
+    if found is None or found.group(1) == "layers":
+        raise GenerationError(
+            f"{plan.target}: draft stages {declared.name} have experts_prefix {declared.experts_prefix!r}; the runtime builds stages "
+            f"named 'model.<name>.{{k}}.{decl.family.mlp_attr}.experts' (one MTP-like layer each, <name> not 'layers')"[:400])
+    return found.group(1)
+
+
+def stages_ignore(decl: Declaration) -> tuple[str, ...]:
+    """fnmatch patterns of the declared draft stages' tensors, which a target build skips (one per stage)."""
+    out = []
+    for draft in decl.drafts:
+        if draft.kind == "draft_stages":
+            module = draft.experts_prefix.split("{k}")[0]
+            out += [f"{module}{k}.*" for k in range(draft.num_layers)]
+    return tuple(out)
+
+
+def _mtp_kind(spec) -> dict:
+    """What draft_mtp.py.j2 reads of the family: its MTP layers as `model.layers.<i>` blocks (MTPDraft) or as a
+    tree of their own (PredictorMTPDraft, its checkpoint names of the backbone and final norm)."""
+    if spec.mtp_tree:
+        return {"draft_class": "PredictorMTPDraft", "mtp_tree": spec.mtp_tree, "names": spec.backbone_names}
+    return {"draft_class": "MTPDraft", "mtp_tree": None, "names": None}

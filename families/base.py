@@ -188,6 +188,15 @@ class FamilySpec:
     attention_layers: Callable[[Config], tuple[int, ...] | None] = every_layer_attends
     describe_attention: Callable[[Config, str, Any], tuple[str, str]] = describe_gqa
     mtp_draft: bool = False                  # the runtime builds its embedded and replacement-head MTP drafts
+    # Where the MTP layers are a tree of their own (Qwen3-Next's, Nemotron-H's `mtp`): the target skips all of
+    # it and the draft is `runtime.draft_build.PredictorMTPDraft`, built by the template's `make_mtp`.
+    mtp_tree: str | None = None
+    mtp_predictor: str | None = None         # the runtime.ops class of that tree (imported where a build makes it)
+    # The draft MoE layers' indices inside the MTP tree, where they are not 0, 1, ... (Nemotron-H's: the `E`
+    # letters of mtp_hybrid_override_pattern); their number is then the draft's MoE layer count.
+    draft_moe_sites: Callable[[Config], tuple[int, ...]] | None = None
+    # The checkpoint's names of the backbone, its embedding and final norm (as its template's `Architecture(names=)`).
+    backbone_names: tuple[str, str, str] = ("model", "embed_tokens", "norm")
     mtp_refusal: str | None = None           # why no embedded MTP draft is built although the config declares one
 
     def shape(self, config: Config) -> MoeShape:
@@ -201,14 +210,16 @@ class FamilySpec:
         )
 
     def num_draft_layers(self, config: Config) -> int:
-        return config.get(self.draft_count_key, 0) if self.draft_count_key else 0
+        count = config.get(self.draft_count_key, 0) if self.draft_count_key else 0
+        return len(self.draft_moe_sites(config)) if count and self.draft_moe_sites else count
 
     def experts_module(self, layer: int) -> str:
         return self.experts_prefix.format(layer=layer)
 
     def draft_experts_module(self, config: Config, k: int) -> str:
         assert self.draft_experts_prefix is not None
-        return self.draft_experts_prefix.format(layer=config["num_hidden_layers"] + k, k=k)
+        site = self.draft_moe_sites(config)[k] if self.draft_moe_sites else k
+        return self.draft_experts_prefix.format(layer=config["num_hidden_layers"] + k, k=site)
 
     def draft_ignore(self, config: Config) -> tuple[str, ...]:
         """fnmatch patterns of the draft layers' tensors a checkpoint carries beside the target's: one per
@@ -216,6 +227,8 @@ class FamilySpec:
         count = int(self.num_draft_layers(config) or 0) if self.draft_experts_prefix else 0
         if not count:
             return ()
+        if self.mtp_tree:
+            return (f"{self.mtp_tree}.*",)
         base = int(config["num_hidden_layers"])
         if self.draft_experts_prefix.startswith("model.layers."):
             return tuple(f"model.layers.{base + k}.*" for k in range(count))

@@ -19,6 +19,8 @@ NON_NEURAL_MODES = ("ngram", "prompt_lookup")
 DRAFT_KINDS = ("embedded_mtp", "replacement_mtp", "external", "eagle3", "draft_stages")
 # Drafts whose MoE layers live in the target's weights register into its load balancer (DR6).
 BALANCED_DRAFT_KINDS = ("embedded_mtp", "draft_stages")
+# Drafts whose tensors live in the target's own checkpoint folder (every other kind has a folder of its own).
+EMBEDDED_DRAFT_KINDS = ("embedded_mtp", "draft_stages")
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 A generated `draft.py` states what is particular to its draft (its target, SM and layout, the bound
 implementations, its layer table, the tensors it does not read) and passes them here; the draft kinds
 present the interface of `runtime.drafts` (RULES SD2): `MTPDraft` (embedded or replacement-head MTP
-layers built from the target file's layer builders), `Eagle3Draft` (an Eagle3 head), and `TokenDraft`
+layers built from the target file's layer builders), `PredictorMTPDraft` (an MTP predictor kept as its own
+tree under `mtp.`, Qwen3-Next's and Nemotron-H's), `Eagle3Draft` (an Eagle3 head), and `TokenDraft`
 (an external drafter: a whole causal-LM build fed only tokens).
 """
 
@@ -17,7 +18,7 @@ from torch import nn
 from runtime import build
 from runtime.causal_lm import Architecture
 from runtime.checkpoint import load_checkpoint
-from runtime.ops import Eagle3Head, MTPBlock, RotaryEmbedding, VocabEmbedding
+from runtime.ops import Eagle3Head, LMHead, MTPBlock, RotaryEmbedding, VocabEmbedding
 from runtime.parallel import Layout, attach_layout
 
 
@@ -60,7 +61,7 @@ def _positions(next_token_ids, positions):
 
 class MTPDraft(DraftBuild):
     """MTP layers (embedded in the target's checkpoint, or a replacement head), each named as the
-    checkpoint's `model.layers.<index>`: `x = eh_proj(cat([enorm(embed(token[t+1])), hnorm(h[t])]))`, the
+    checkpoint's `model.layers.<index>` (embedded draft stages: `model.<tree>.<k>`, `stages`): `x = eh_proj(cat([enorm(embed(token[t+1])), hnorm(h[t])]))`, the
     target family's decoder layer (`arch.make_layer`), `shared_head` for the logits, its own embedding copy.
 
     `forward(next_token_ids [B, S], target_hidden [B, S, H], positions [S], cache, step=0) -> (logits, hidden)`:
@@ -72,16 +73,20 @@ class MTPDraft(DraftBuild):
     INPUT = "hidden"
 
     def __init__(self, arch: Architecture, rms_norm_eps: float, *, layers, layout: Layout, implementations: dict,
-                 rank: int = 0, dtype: torch.dtype = torch.bfloat16, device="cpu", **scaffold):
+                 rank: int = 0, dtype: torch.dtype = torch.bfloat16, device="cpu", stages: tuple[str, int] | None = None,
+                 **scaffold):
         super().__init__(layout=layout, implementations=implementations, device=device, rank=rank, dtype=dtype, **scaffold)
         self.layout, self._layers = layout, tuple(layers)
+        # Embedded draft stages (RULES DR7), `stages = (tree, first index)`: the same MTP-like layers, chained the
+        # same way, named `model.<tree>.<k>` with k = index - first index (DeepSeek-V4-Flash's `model.draft_stages.<k>`).
+        tree, first = stages if stages is not None else ("layers", 0)
         with torch.device(device):
             self.model = nn.Module()
-            self.model.layers = nn.ModuleDict(
-                {str(i): _mtp_layer(arch, rms_norm_eps, i, implementations[impl][0], layout, rank, dtype) for i, impl in layers}
-            )
+            self.model.add_module(tree, nn.ModuleDict(
+                {str(i - first): _mtp_layer(arch, rms_norm_eps, i, implementations[impl][0], layout, rank, dtype) for i, impl in layers}
+            ))
             self.rotary_emb = arch.make_rotary()
-        self.blocks = tuple(self.model.layers[str(i)] for i, _ in layers)
+        self.blocks = tuple(getattr(self.model, tree)[str(i - first)] for i, _ in layers)
         build.log_implementations(implementations)
 
     def draft_layer_ids(self):
@@ -118,6 +123,59 @@ def _mtp_layer(arch: Architecture, rms_norm_eps, index, experts_cls, layout, ran
     block.add_module("embed_tokens", VocabEmbedding(
         vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, tp_rank=tp_rank, tp_size=layout.tp, dtype=dtype))
     return block
+
+
+class PredictorMTPDraft(DraftBuild):
+    """An MTP predictor kept as its own tree under `mtp.` (Qwen3-Next, Nemotron-H: `runtime.ops.FcMTPPredictor`,
+    `PatternMTPPredictor`), built by the target file's `make_mtp(experts classes, layout, rank, dtype)`. These
+    checkpoints store no embedding or head copy for the MTP: the draft reads its own copies of the target's
+    `<backbone>.<embedding>` and `lm_head` from the same folder (as vLLM's Qwen3NextMTP and NemotronHMTP load
+    them), so its tensor names are the checkpoint's and it shares nothing with the target build in memory.
+
+    `forward(next_token_ids [B, S], target_hidden [B, S, H], positions [S], cache, step=0) -> (logits, hidden)`,
+    `target_hidden` the target's final-norm hidden states, `hidden` the predictor's final-norm output (what the
+    next step reads). `layers`: (checkpoint layer index, bound implementation id) per draft MoE layer.
+    """
+
+    # What the speculative loop feeds `forward` (the draft interface every draft build presents).
+    INPUT = "hidden"
+
+    def __init__(self, arch: Architecture, make_mtp, *, layers, layout: Layout, implementations: dict, rank: int = 0,
+                 dtype: torch.dtype = torch.bfloat16, device="cpu", **scaffold):
+        super().__init__(layout=layout, implementations=implementations, device=device, rank=rank, dtype=dtype, **scaffold)
+        self.layout, self._layers = layout, tuple(layers)
+        backbone, embedding, _ = arch.names
+        tp_rank = layout.tp_rank(rank)
+        with torch.device(device):
+            self.mtp = make_mtp([implementations[impl][0] for _, impl in layers], layout, rank, dtype)
+            self.add_module(backbone, nn.Module())
+            getattr(self, backbone).add_module(embedding, VocabEmbedding(
+                vocab_size=arch.vocab_size, hidden_size=arch.hidden_size, tp_rank=tp_rank, tp_size=layout.tp, dtype=dtype))
+            self.lm_head = LMHead(hidden_size=arch.hidden_size, vocab_size=arch.vocab_size, tp_rank=tp_rank, tp_size=layout.tp,
+                                  dtype=dtype)
+            self.rotary_emb = arch.make_rotary()
+        self._embedding = (backbone, embedding)
+        build.log_implementations(implementations)
+
+    def draft_layer_ids(self):
+        """(checkpoint layer index, bound implementation id) of each draft MoE layer this draft built."""
+        return self._layers
+
+    def new_caches(self, batch_size, max_seq_len):
+        return self.mtp.new_caches(batch_size=batch_size, max_seq_len=max_seq_len, dtype=self.dtype, device=self.device)
+
+    def forward(self, next_token_ids, target_hidden, positions=None, cache=None, step=0):
+        positions = _positions(next_token_ids, positions)
+        cos, sin = self.rotary_emb(positions)
+        # `cache` is this step's entry of `new_caches()` (runtime.speculative passes `caches[step % len]`).
+        backbone, embedding = self._embedding
+        embeds = getattr(getattr(self, backbone), embedding)(next_token_ids)
+        hidden = self.mtp(embeds, target_hidden, step, positions, cos, sin, cache)
+        return self.lm_head(hidden), hidden
+
+    def to_target_ids(self, ids):
+        """The MTP scores the target's own vocabulary."""
+        return ids
 
 
 class Eagle3Draft(DraftBuild):

@@ -172,8 +172,8 @@ class Builds:
 
     def _load_draft(self, model, name, sm, parallel, chosen, selection, checkpoint, draft_checkpoint, device, rank, seed, extra):
         """(the draft build the speculative mode needs, None) or (None, why the build decodes without one):
-        an embedded MTP draft reads the target's checkpoint folder, every other kind `draft_checkpoint` (RULES SD3)."""
-        from registry.model import NON_NEURAL_MODES
+        an embedded MTP draft or draft stages read the target's checkpoint folder, every other kind `draft_checkpoint` (RULES SD3)."""
+        from registry.model import EMBEDDED_DRAFT_KINDS, NON_NEURAL_MODES
 
         mode = selection.spec_mode
         if mode in NON_NEURAL_MODES:
@@ -193,7 +193,7 @@ class Builds:
                 checkpoint=name, sm=sm, parallel=parallel, selection=selection, device=device, rank=rank, **extra)
         own = draft_checkpoint
         if own is None and checkpoint is not None:
-            if kind != "embedded_mtp":
+            if kind not in EMBEDDED_DRAFT_KINDS:
                 from registry.errors import SelectionError
 
                 raise SelectionError(f"the {kind} draft of {model} keeps its weights in a folder of its own: "

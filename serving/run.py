@@ -62,7 +62,7 @@ class Launcher:
         from families import FAMILIES
         from registry.errors import MoegenError
         from registry.build_index import matching
-        from registry.model import facts_from_literal
+        from registry.model import EMBEDDED_DRAFT_KINDS, facts_from_literal
         from runtime.checkpoint.writer import random_tensors, save_checkpoint
 
         facts = self._facts(model)
@@ -74,8 +74,8 @@ class Launcher:
         storage = FAMILIES[generic.FAMILY].experts_storage
         tensors = random_tensors(whole, storage, seed)
         for target in matching(self.builds.index, facts_from_literal(facts.FACTS[checkpoint_name]), sm, "tp1"):
-            # Only an embedded MTP keeps its tensors in the target's folder (the other drafts have their own).
-            if target["draft"] is not None and target["draft"]["kind"] == "embedded_mtp":
+            # Only an embedded MTP or draft stages keep their tensors in the target's folder (the other drafts have their own).
+            if target["draft"] is not None and target["draft"]["kind"] in EMBEDDED_DRAFT_KINDS:
                 draft = self.builds.module(target["draft"]["module"])
                 tensors.update(random_tensors(draft.DRAFT_CLASS(device="meta"), storage, seed + 1))
         return save_checkpoint(tensors, folder, facts.CONFIG)

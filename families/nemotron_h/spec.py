@@ -10,8 +10,21 @@ def pattern(config: Config) -> tuple[int, ...]:
     return tuple(i for i, kind in enumerate(config["hybrid_override_pattern"]) if kind == "E")
 
 
+def mtp_moe_sites(config: Config) -> tuple[int, ...]:
+    """The MoE layers of the MTP step, by their index under `mtp.layers.` (vLLM nemotron_h_mtp.py: one layer per
+    letter of mtp_hybrid_override_pattern, `*E` in the published configs)."""
+    return tuple(i for i, kind in enumerate(config["mtp_hybrid_override_pattern"]) if kind == "E")
+
+
 def check(c: Config) -> None:
     per_layer(c, "hybrid_override_pattern")
+    mtp = c.get("mtp_hybrid_override_pattern")
+    if c.get("num_nextn_predict_layers") and mtp is not None and set(mtp) - set("*E"):
+        raise ConfigError(("mtp_hybrid_override_pattern",), f"mtp_hybrid_override_pattern {mtp!r} may hold only '*' "
+                                                            "(attention) and 'E' (MoE) layers, as vLLM's Nemotron-H MTP builds")
+    if (c.get("num_nextn_predict_layers") or 0) > 1:
+        raise ConfigError(("num_nextn_predict_layers",), f"num_nextn_predict_layers {c['num_nextn_predict_layers']}: "
+                                                         "a Nemotron-H MTP is one step of mtp_hybrid_override_pattern (set 1)")
     heads, groups = c.get("mamba_num_heads"), c.get("n_groups")
     if heads is not None and groups is not None and heads % groups:
         raise ConfigError(("n_groups",), f"mamba_num_heads {heads} must be a multiple of n_groups {groups}")
@@ -28,9 +41,15 @@ def published_form(config: Config) -> Config:
         return config
     out = {k: v for k, v in config.items() if k not in ("layers_block_type", "mtp_layers_block_type")}
     # An unknown block name stays visible: the pattern's own check refuses it, naming the key.
-    out["hybrid_override_pattern"] = "".join(BLOCK_LETTERS.get(b, "?") if isinstance(b, str) else "?" for b in blocks)
+    out["hybrid_override_pattern"] = letters(blocks)
     out["num_hidden_layers"] = len(blocks)
+    if isinstance(config.get("mtp_layers_block_type"), list) and out.get("num_nextn_predict_layers"):
+        out["mtp_hybrid_override_pattern"] = letters(config["mtp_layers_block_type"])
     return out
+
+
+def letters(blocks: list) -> str:
+    return "".join(BLOCK_LETTERS.get(b, "?") if isinstance(b, str) else "?" for b in blocks)
 
 
 def no_rotary_head_dim(c: Config) -> int:
@@ -57,6 +76,8 @@ SPEC = FamilySpec(
         "n_shared_experts": default("dim", 1),
         "intermediate_size": default("dim", 21504),         # the `-` layers' MLP
         "num_nextn_predict_layers": optional("count"),
+        # The MTP step's layers, one letter each (transformers' default ['full_attention', 'moe']).
+        "mtp_hybrid_override_pattern": default("layer_pattern", "*E"),
         "mlp_hidden_act": default(("relu2",), "relu2"),
         "mamba_hidden_act": default(("silu",), "silu"),
         "num_key_value_heads": default("dim", 8),
@@ -87,14 +108,21 @@ SPEC = FamilySpec(
     activation="relu2",
     check=check,
     experts_prefix="backbone.layers.{layer}.mixer.experts",
+    # vLLM nemotron_h_mtp.py (NemotronHMultiTokenPredictor): `mtp.layers.<i>` per letter of the MTP pattern, the
+    # first with enorm/hnorm/eh_proj, the last with final_layernorm; "{k}" is the MoE layer's index there.
     draft_experts_prefix="mtp.layers.{k}.mixer.experts",
+    draft_moe_sites=mtp_moe_sites,
     draft_count_key="num_nextn_predict_layers",
     expert_members=("0.up_proj", "0.down_proj"),
     published_form=published_form,
     router="SigmoidTopKRouter",
     attention_ops=("GQAttention", "Mamba2Mixer"),
     mlp_attr="mixer",
+    backbone_names=("backbone", "embeddings", "norm_f"),
     shared_experts=True,
     head_dim=no_rotary_head_dim,
+    mtp_draft=True,
+    mtp_tree="mtp",
+    mtp_predictor="PatternMTPPredictor",
     describe_attention=describe_attention,
 )

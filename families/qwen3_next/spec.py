@@ -74,6 +74,8 @@ SPEC = FamilySpec(
     experts_key="num_experts",
     intermediate_key="moe_intermediate_size",
     check=check,
+    # vLLM qwen3_next_mtp.py (Qwen3NextMultiTokenPredictor): `mtp.fc`, `mtp.pre_fc_norm_{embedding,hidden}`,
+    # `mtp.layers.<k>` (full-attention decoder layers with the MoE block), `mtp.norm`.
     draft_experts_prefix="mtp.layers.{k}.mlp.experts",
     draft_count_key="mtp_num_hidden_layers",
     router="SoftmaxTopKRouter",
@@ -81,5 +83,7 @@ SPEC = FamilySpec(
     attention_ops=("GQAttention", "GatedDeltaNet", "MLP", "SharedExpertGate"),
     attention_layers=attention_layers,
     describe_attention=describe,
-    mtp_refusal="the runtime does not build Qwen3-Next's MTP layer yet",
+    mtp_draft=True,
+    mtp_tree="mtp",
+    mtp_predictor="FcMTPPredictor",
 )

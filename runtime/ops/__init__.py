@@ -16,13 +16,13 @@ from runtime.ops.mamba import Mamba2Mixer, MambaState
 from runtime.ops.mla import MLAttention
 from runtime.ops.mlp import MLP, SharedExpertGate
 from runtime.ops.moe import MoEBlock
-from runtime.ops.mtp import MTPBlock, SharedHead
+from runtime.ops.mtp import FcMTPPredictor, MTPBlock, PatternMTPPredictor, SharedHead
 from runtime.ops.norms import GatedRMSNorm, ProjectionRMSNorm, RMSNorm
 from runtime.ops.rotary import RotaryEmbedding, apply_rotary, mla_softmax_scale
 
 __all__ = [
-    "ColumnParallelLinear", "Eagle3Head", "GatedDeltaNet", "GatedRMSNorm", "GQAttention", "LMHead", "MLAttention", "MLP", "Mamba2Mixer",
-    "MambaState", "MoEBlock", "MTPBlock", "ProjectionRMSNorm", "RecurrentState", "RMSNorm", "RotaryEmbedding", "RowParallelLinear",
+    "ColumnParallelLinear", "Eagle3Head", "FcMTPPredictor", "GatedDeltaNet", "GatedRMSNorm", "GQAttention", "LMHead", "MLAttention", "MLP", "Mamba2Mixer",
+    "MambaState", "MoEBlock", "MTPBlock", "PatternMTPPredictor", "ProjectionRMSNorm", "RecurrentState", "RMSNorm", "RotaryEmbedding", "RowParallelLinear",
     "SharedExpertGate", "SharedHead",
     "StaticCache", "VocabEmbedding", "apply_rotary", "attention", "mla_softmax_scale",
 ]

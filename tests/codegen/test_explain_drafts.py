@@ -21,11 +21,11 @@ def test_a_target_generated_with_the_mode_names_its_draft_build(capsys):
 def test_a_target_generated_without_the_mode_and_the_generic_build_say_none_serves(capsys):
     assert _explain(capsys, "--model", "kimi_k3", "--sm", "100", "--parallel", "tp16_moetp16ep1", "--spec-mode", "draft_target") == [
         "  draft build: none (target kimi_k3_mxfp4__sm_100__tp16_moetp16ep1 was generated with no draft, not draft_target; "
-        "generic builds construct only the embedded or replacement-head MTP drafts of deepseek_v3 and glm4_moe; "
+        "generic builds construct only the embedded or replacement-head MTP drafts of deepseek_v3, glm4_moe, nemotron_h and qwen3_next; "
         "the external draft kimi_k3_drafter is declared)"]
     assert _explain(capsys, "--model", "kimi_k3", "--sm", "90", "--parallel", "tp16_moetp4ep4", "--spec-mode", "draft_target") == [
-        "  draft build: none (generic builds construct only the embedded or replacement-head MTP drafts of deepseek_v3 and "
-        "glm4_moe; the external draft kimi_k3_drafter is declared)"]
+        "  draft build: none (generic builds construct only the embedded or replacement-head MTP drafts of deepseek_v3, glm4_moe, "
+        "nemotron_h and qwen3_next; the external draft kimi_k3_drafter is declared)"]
 
 
 def test_the_generic_build_names_its_mtp_draft(capsys):

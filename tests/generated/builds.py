@@ -297,6 +297,24 @@ def with_mtp_layers(source: Path, folder: Path, count: int, seed: int = 0) -> Pa
     return write_checkpoint(folder, tensors, config)
 
 
+def with_mtp_tree(source: Path, folder: Path, copies: dict[str, str], extra: dict[str, tuple], config: dict,
+                  seed: int = 0) -> Path:
+    """A copy of the checkpoint `source` plus an MTP predictor kept as its own tree (Qwen3-Next's, Nemotron-H's
+    `mtp.*`): each `copies` entry `mtp prefix -> target layer prefix` gets that layer's tensor names and shapes,
+    each `extra` name its shape; `config` is merged into config.json. Every new tensor gets fresh values (norms
+    around 1), so a draft that read a target layer instead of its own would compute something else."""
+    tensors = read_tensors(source)
+    shapes = {}
+    for mtp, layer in copies.items():
+        shapes |= {mtp + name[len(layer):]: t for name, t in tensors.items() if name.startswith(layer)}
+    shapes |= {name: torch.empty(shape, dtype=torch.bfloat16) for name, shape in extra.items()}
+    gen = torch.Generator().manual_seed(seed + 2000)
+    for name, like in sorted(shapes.items()):
+        values = torch.randn(like.shape, generator=gen)
+        tensors[name] = (1.0 + 0.2 * values if "norm" in name else 0.08 * values).to(like.dtype)
+    return write_checkpoint(folder, tensors, json.loads((source / "config.json").read_text()) | config)
+
+
 def assert_greedy_equal_up_to_ties(model, tokens: torch.Tensor, reference: torch.Tensor, tol: float = 2e-2) -> None:
     """`tokens` equal the greedy `reference` row by row, except from a position where the model's two top
     logits over the shared prefix lie within `tol` of the largest logit (bf16 rounding of the TORCH

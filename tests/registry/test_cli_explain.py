@@ -115,11 +115,11 @@ def test_explain_shows_excluded_and_draft_layers_with_their_notes(capsys):
     assert "  -> the generic build generated/qwen3_next/generic serves instead (RULES TG5); it binds:" in out
     assert "  routed layers 1-46: checkpoint nvfp4" in out
     assert "  excluded layers 0, 47: checkpoint bf16" in out
-    # The runtime builds Qwen3-Next but not its MTP layer: the generic build holds no draft, so its draft layer is
-    # not narrated as built (tests/registry/test_drafts.py checks that it resolves bf16, excluded by 'mtp*').
-    assert "  draft layers 48:" not in out
-    assert "generic builds construct only the embedded or replacement-head MTP drafts of deepseek_v3 and glm4_moe" in out
-    assert "  note: the generic build holds no draft: it decodes without one (RULES SD3)" in out
+    # The generic build constructs Qwen3-Next's MTP draft (resolved at load): its draft layer resolves bf16, excluded
+    # by 'mtp*', under the draft's own request.
+    assert "  draft layers 48: checkpoint bf16 (excluded from quantization by 'mtp*'), runs bf16 (checkpoint format)" in out
+    assert ("  draft build: target qwen3_next_nvfp4__sm_100__tp1 was generated with no draft, not mtp; "
+            "generated/qwen3_next/generic/draft.py (embedded_mtp qwen3_next_mtp, resolved at load)") in out
     assert "    warning: excluded layers 0, 47 run bf16 (excluded from quantization) and build under moe_config.backend 'AUTO', skipping moe_config.tactic 'nvfp4' (RULES FN5)" in out
     assert "  note: the draft resolves AUTO for its own weights: " in out
 

@@ -64,8 +64,8 @@ ROPE = {
     'truncate': True,
 }
 
-# Checkpoint tensors this build does not read: none (the loader refuses any unread tensor).
-IGNORED_TENSORS = ()
+# Checkpoint tensors this build does not read: the MTP layers, a draft's (the loader refuses any other).
+IGNORED_TENSORS = ('model.draft_stages.0.*', 'model.draft_stages.1.*')
 # The experts shape every MoE layer is built for: the one its implementation was resolved against.
 EXPERTS_SPEC = MoeLayerSpec(
     hidden_size=HIDDEN_SIZE, intermediate_size=MOE_INTERMEDIATE_SIZE, num_experts=NUM_EXPERTS, top_k=TOP_K,

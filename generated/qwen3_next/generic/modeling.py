@@ -18,7 +18,7 @@ from torch import nn
 from runtime import build
 from runtime.causal_lm import Architecture, CausalLMBuild
 from runtime.experts.base import ExpertParallel, MoeLayerSpec
-from runtime.ops import GQAttention, GatedDeltaNet, MLP, MoEBlock, RMSNorm, RotaryEmbedding, SharedExpertGate
+from runtime.ops import FcMTPPredictor, GQAttention, GatedDeltaNet, MLP, MoEBlock, RMSNorm, RotaryEmbedding, SharedExpertGate
 from runtime.parallel import Layout
 from runtime.routing import SoftmaxTopKRouter
 from registry.generic import resolve_build
@@ -53,7 +53,7 @@ ROPE = {'base': 10000.0, 'rotary_dim': 64, 'scaling': 'default'}
 FULL_ATTENTION_LAYERS = (3, 7, 11, 15, 19, 23, 27, 31, 35, 39, 43, 47)
 
 # Checkpoint tensors this build does not read: the MTP layers, a draft's (the loader refuses any other).
-IGNORED_TENSORS = ('mtp.layers.0.*',)
+IGNORED_TENSORS = ('mtp.*',)
 # The experts shape every MoE layer is built for: the one its implementation was resolved against.
 EXPERTS_SPEC = MoeLayerSpec(
     hidden_size=HIDDEN_SIZE, intermediate_size=MOE_INTERMEDIATE_SIZE, num_experts=NUM_EXPERTS, top_k=TOP_K,
@@ -77,14 +77,18 @@ def make_rotary():
     return RotaryEmbedding(**ROPE)
 
 
+def make_gated_attention(layout, rank, dtype):
+    return GQAttention(
+        hidden_size=HIDDEN_SIZE, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+        qkv_bias=ATTENTION_BIAS, o_bias=ATTENTION_BIAS, qk_norm="head", zero_centered_qk_norm=True, output_gate=True,
+        rms_norm_eps=RMS_NORM_EPS, tp_rank=layout.tp_rank(rank), tp_size=layout.tp, dtype=dtype,
+    )
+
+
 def make_attention(index, layout, rank, dtype):
     """Gated attention on FULL_ATTENTION_LAYERS, the gated DeltaNet elsewhere."""
     if index in FULL_ATTENTION_LAYERS:
-        return GQAttention(
-            hidden_size=HIDDEN_SIZE, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
-            qkv_bias=ATTENTION_BIAS, o_bias=ATTENTION_BIAS, qk_norm="head", zero_centered_qk_norm=True, output_gate=True,
-            rms_norm_eps=RMS_NORM_EPS, tp_rank=layout.tp_rank(rank), tp_size=layout.tp, dtype=dtype,
-        )
+        return make_gated_attention(layout, rank, dtype)
     return GatedDeltaNet(
         hidden_size=HIDDEN_SIZE, num_k_heads=LINEAR_NUM_KEY_HEADS, num_v_heads=LINEAR_NUM_VALUE_HEADS,
         k_head_dim=LINEAR_KEY_HEAD_DIM, v_head_dim=LINEAR_VALUE_HEAD_DIM, conv_kernel=LINEAR_CONV_KERNEL,
@@ -146,6 +150,16 @@ def make_layer(index, experts_cls, layout, rank, dtype):
     if index in FULL_ATTENTION_LAYERS:
         return DecoderLayer(self_attn=mixer, mlp=mlp, input_layernorm=make_norm(dtype), post_attention_layernorm=make_norm(dtype))
     return LinearAttentionLayer(linear_attn=mixer, mlp=mlp, input_layernorm=make_norm(dtype), post_attention_layernorm=make_norm(dtype))
+
+
+def make_mtp(experts_classes, layout, rank, dtype):
+    """The MTP predictor under `mtp.` (vLLM qwen3_next_mtp.py): one gated full-attention MoE layer per experts class."""
+    layers = [
+        DecoderLayer(self_attn=make_gated_attention(layout, rank, dtype), mlp=make_mlp(experts_cls, layout, rank, dtype),
+                     input_layernorm=make_norm(dtype), post_attention_layernorm=make_norm(dtype))
+        for experts_cls in experts_classes
+    ]
+    return FcMTPPredictor(hidden_size=HIDDEN_SIZE, layers=layers, make_norm=lambda: make_norm(dtype), dtype=dtype)
 
 
 # What runtime.causal_lm builds the checkpoint's `model.*` (embedding, these layers, final norm, rotary) and `lm_head` from.

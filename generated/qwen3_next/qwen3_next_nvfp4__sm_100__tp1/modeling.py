@@ -71,7 +71,7 @@ LAYERS = (
     (range(47, 48), 'torch.grouped_mm.grouped_gemm.bf16'),  # excluded from quantization: bf16 experts
 )
 # Checkpoint tensors this build does not read: the MTP layers, a draft's (the loader refuses any other).
-IGNORED_TENSORS = ('mtp.layers.0.*',)
+IGNORED_TENSORS = ('mtp.*',)
 # The experts shape every MoE layer is built for: the one its implementation was resolved against.
 EXPERTS_SPEC = MoeLayerSpec(
     hidden_size=HIDDEN_SIZE, intermediate_size=MOE_INTERMEDIATE_SIZE, num_experts=NUM_EXPERTS, top_k=TOP_K,
@@ -95,14 +95,18 @@ def make_rotary():
     return RotaryEmbedding(**ROPE)
 
 
+def make_gated_attention(layout, rank, dtype):
+    return GQAttention(
+        hidden_size=HIDDEN_SIZE, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+        qkv_bias=ATTENTION_BIAS, o_bias=ATTENTION_BIAS, qk_norm="head", zero_centered_qk_norm=True, output_gate=True,
+        rms_norm_eps=RMS_NORM_EPS, tp_rank=layout.tp_rank(rank), tp_size=layout.tp, dtype=dtype,
+    )
+
+
 def make_attention(index, layout, rank, dtype):
     """Gated attention on FULL_ATTENTION_LAYERS, the gated DeltaNet elsewhere."""
     if index in FULL_ATTENTION_LAYERS:
-        return GQAttention(
-            hidden_size=HIDDEN_SIZE, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
-            qkv_bias=ATTENTION_BIAS, o_bias=ATTENTION_BIAS, qk_norm="head", zero_centered_qk_norm=True, output_gate=True,
-            rms_norm_eps=RMS_NORM_EPS, tp_rank=layout.tp_rank(rank), tp_size=layout.tp, dtype=dtype,
-        )
+        return make_gated_attention(layout, rank, dtype)
     return GatedDeltaNet(
         hidden_size=HIDDEN_SIZE, num_k_heads=LINEAR_NUM_KEY_HEADS, num_v_heads=LINEAR_NUM_VALUE_HEADS,
         k_head_dim=LINEAR_KEY_HEAD_DIM, v_head_dim=LINEAR_VALUE_HEAD_DIM, conv_kernel=LINEAR_CONV_KERNEL,
@@ -164,6 +168,7 @@ def make_layer(index, experts_cls, layout, rank, dtype):
     if index in FULL_ATTENTION_LAYERS:
         return DecoderLayer(self_attn=mixer, mlp=mlp, input_layernorm=make_norm(dtype), post_attention_layernorm=make_norm(dtype))
     return LinearAttentionLayer(linear_attn=mixer, mlp=mlp, input_layernorm=make_norm(dtype), post_attention_layernorm=make_norm(dtype))
+
 
 
 # What runtime.causal_lm builds the checkpoint's `model.*` (embedding, these layers, final norm, rotary) and `lm_head` from.

@@ -1,0 +1,153 @@
+"""Embedded draft stages (RULES DR7) as a runtime draft build: tiny_deepseek_v4_flash's generated `draft.py` loads its two stages from `model.draft_stages.<k>`, binds and reads their experts in their own MXFP4 format beside the target's BF16 ones, computes each stage as an MTP layer, and decodes speculatively to the target's own greedy tokens.
+
+What a stage is at run time (assumed, codegen.modeling._stages_tree: DeepSeek-V4-Flash's stages are not public):
+an MTP-like layer each, laid out and chained like DeepSeek-V3's MTP layers, named `model.draft_stages.<k>`.
+The checkpoint is the builds' own seeded random one (runtime.checkpoint.writer, as `python -m generated.run
+--tiny` writes it): MXFP4 stage experts as packed E2M1 `weight` + E8M0 `weight_scale`.
+
+Oracle of the stage forward: transformers' DeepSeek-V3 `MtpModel` (float64) over a copy of the checkpoint whose
+`model.layers.<3 + k>` hold stage k, its experts dequantized here in float64 from the format definition
+(tests/runtime/fixtures_checkpoints.mxfp4_f64, ml_dtypes' code tables). The draft runs in fp32 with its bound
+TORCH MXFP4 experts (W4A16: weights exact, GEMM inputs rounded to bf16): relative L2 error <= 2e-3 (observed 1.3e-4).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.generated import builds
+
+MODEL = "tiny_deepseek_v4_flash"
+NEW = 32
+
+
+def _modules():
+    target = next(t for t in builds.specialized(MODEL) if t["spec_mode"] == "dspark")
+    return builds.load("generated" + target["module"]), builds.load("generated" + target["module"].replace(".modeling", ".draft"))
+
+
+def stages_checkpoint(seed: int = 0):
+    """The target's and the draft's seeded random tensors in one folder, as `generated.run --tiny` writes them."""
+    from runtime.checkpoint.writer import random_tensors, save_checkpoint
+
+    modeling, draft = _modules()
+    tensors = random_tensors(modeling.MODEL_CLASS(device="meta"), "gate_up_down", seed)
+    tensors |= random_tensors(draft.DRAFT_CLASS(device="meta"), "gate_up_down", seed + 1)
+    return save_checkpoint(tensors, builds.tmp_folder(f"{MODEL}-{seed}"), builds.facts(MODEL).CONFIG)
+
+
+@pytest.fixture(scope="module")
+def case():
+    folder = stages_checkpoint()
+    modeling, draft_module = _modules()
+    target, draft = modeling.MODEL_CLASS(dtype=torch.float32), draft_module.DRAFT_CLASS(dtype=torch.float32)
+    reports = target.load_checkpoint(folder), draft.load_checkpoint(folder)
+    return folder, builds.read_tensors(folder), target.eval(), draft.eval(), reports
+
+
+def test_the_stages_bind_their_own_mxfp4_format_and_the_target_its_bf16_one():
+    modeling, draft = _modules()
+    assert draft.DRAFT_LAYERS == ((3, "torch.grouped_mm.grouped_gemm.w4a16_mxfp4"), (4, "torch.grouped_mm.grouped_gemm.w4a16_mxfp4"))
+    assert {i for _, i in modeling.LAYERS if i} == {"torch.grouped_mm.grouped_gemm.bf16"}
+    assert modeling.IGNORED_TENSORS == ("model.draft_stages.0.*", "model.draft_stages.1.*")
+    assert draft.STAGES == ("draft_stages", 3)
+
+
+def test_the_stages_load_from_their_prefix_and_the_target_ignores_them(case):
+    _, tensors, _, draft, (target_report, draft_report) = case
+    stages = {name for name in tensors if name.startswith("model.draft_stages.")}
+    assert {name.split(".")[2] for name in stages} == {"0", "1"}
+    assert set(target_report.ignored) == stages and set(draft_report.ignored) == set(tensors) - stages
+    assert draft_report.tensors == len(stages)
+    assert tensors["model.draft_stages.1.mlp.experts.0.up_proj.weight"].dtype == torch.uint8   # packed E2M1 pairs
+    block = draft.model.draft_stages["1"]
+    assert torch.equal(block.eh_proj.weight, tensors["model.draft_stages.1.eh_proj.weight"].float())
+    assert [type(b.mlp.experts).__name__ for b in draft.blocks] == ["TorchGroupedMmW4a16Mxfp4Experts"] * 2
+
+
+@pytest.fixture(scope="module")
+def transformers_mtp(case):
+    """transformers' DeepSeek-V3 and its MtpModel (float64) over the checkpoint with stage k as MTP layer 3 + k,
+    its MXFP4 experts dequantized in float64."""
+    import json
+
+    from tests.runtime.fixtures_checkpoints import mxfp4_f64
+    from transformers.modeling_layers import MtpModel
+
+    folder, tensors, *_ = case
+    plain = {}
+    for name, t in tensors.items():
+        if name.endswith(".weight_scale") and ".draft_stages." in name:
+            continue
+        if name.startswith("model.draft_stages."):
+            k = int(name.split(".")[2])
+            new = f"model.layers.{3 + k}." + name.split(".", 3)[3]
+            scale = name + "_scale"
+            t = mxfp4_f64(t, tensors[scale]).float() if scale in tensors else t
+            name = new
+        plain[name] = t
+    config = json.loads((folder / "config.json").read_text()) | {"num_nextn_predict_layers": 2, "model_type": "deepseek_v3"}
+    config.pop("quantization_config", None)
+    converted = builds.write_checkpoint(builds.tmp_folder(f"{MODEL}-as-mtp"), plain, config)
+    main = builds.transformers_model(converted, torch.float64)
+    main._keys_to_ignore_on_load_unexpected = [r"model\.layers\.[34]\..*"]
+    return main, MtpModel.from_pretrained(main).eval(), plain
+
+
+def test_draft_step_k_runs_stage_k_as_an_mtp_layer(case, transformers_mtp):
+    _, _, target, draft, _ = case
+    main, mtp, plain = transformers_mtp
+    ids, next_ids = builds.token_ids(512, 2, 10), builds.token_ids(512, 2, 10)
+    positions = torch.arange(10)[None]
+    with torch.no_grad():
+        hidden = target.hidden_states(ids)
+        for k in (0, 1):
+            logits, _ = draft(next_ids, hidden, step=k)
+            prefix = f"model.layers.{3 + k}."
+            embeds = plain[prefix + "embed_tokens.weight"].double()[next_ids]
+            normed = mtp.forward_layer(k, hidden.double(), positions, None, inputs_embeds=embeds)
+            expected = normed @ plain[prefix + "shared_head.head.weight"].double().T
+            assert builds.rel_err(logits, expected) <= 2e-3, k
+
+
+@pytest.fixture(scope="module")
+def speculative_target(case):
+    """load_model under speculative_config mode dspark, from the folder holding the stages (fp32)."""
+    from generated import load_model
+
+    return load_model(MODEL, 90, checkpoint=str(case[0]), checkpoint_name=f"{MODEL}_mixed",
+                      speculative_config={"mode": "dspark"}, dtype=torch.float32, mode="require").eval()
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_greedy_with_the_draft_stages_is_the_target_greedy(speculative_target, k):
+    from runtime import speculative
+
+    target = speculative_target
+    assert type(target.draft).__module__ == _modules()[1].__name__
+    prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=5)
+    out = target.generate(prompt, NEW, speculative=k)
+    assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
+    assert out.note is None and out.proposed == k * out.rounds
+    assert out.rounds >= math.ceil((NEW - 1) / (k + 1))
+
+
+def test_stages_under_a_prefix_the_runtime_cannot_build_are_refused_and_nothing_is_written(tmp_path):
+    import subprocess
+    import sys
+
+    text = (builds.ROOT / "registry" / "models" / f"{MODEL}.toml").read_text(encoding="utf-8")
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "odd_stages.toml").write_text(
+        text.replace(f'name = "{MODEL}"', 'name = "odd_stages"').replace("model.draft_stages.{k}.mlp.experts", "model.stages.{k}.experts")
+        .replace('"model.draft_stages.*.mlp.experts.*"', '"model.stages.*.experts.*"'), encoding="utf-8")
+    done = subprocess.run([sys.executable, "-m", "codegen", "generate", "--models", str(tmp_path / "models"), "--model",
+                           "odd_stages", "--out", str(tmp_path / "out")], cwd=builds.ROOT, capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr == (
+        "error: tiny_deepseek_v4_flash_mixed__sm_90__tp1: draft stages tiny_deepseek_v4_flash_stages have experts_prefix "
+        "'model.stages.{k}.experts'; the runtime builds stages named 'model.<name>.{k}.mlp.experts' (one MTP-like layer "
+        "each, <name> not 'layers')\n")
+    assert not (tmp_path / "out").exists()
