@@ -140,13 +140,6 @@ def speculative_target(case):
                          speculative_config={"mode": "mtp"}, dtype=torch.float32, mode="require").eval()
 
 
-# Fails on this branch for that reason alone (as tiny_qwen3_next's, test_qwen3_next_mtp).
-ROLLBACK = pytest.mark.xfail(strict=True, reason=(
-    "speculative verify advances the target's Mamba conv/SSM states over rejected proposals; their rollback "
-    "(runtime/ops/mamba.py, runtime/speculative.py) is helper h-hybrid's"))
-
-
-@ROLLBACK
 @pytest.mark.parametrize("k", [1, 3])
 def test_mtp_speculative_greedy_is_the_target_greedy(speculative_target, k):
     from runtime import speculative

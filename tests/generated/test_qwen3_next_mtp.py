@@ -146,14 +146,6 @@ def speculative_target(case):
                          speculative_config={"mode": "mtp"}, dtype=torch.float32, mode="require").eval()
 
 
-# Fails on this branch for that reason alone: even a drafter with the target's own weights (runtime.speculative.
-# ExternalDrafter) leaves tiny_qwen3_next's greedy tokens after its first rejected proposal (checked by hand).
-ROLLBACK = pytest.mark.xfail(strict=True, reason=(
-    "speculative verify advances the target's DeltaNet conv/recurrent states over rejected proposals; their rollback "
-    "(runtime/ops/gated_deltanet.py, runtime/speculative.py) is helper h-hybrid's"))
-
-
-@ROLLBACK
 @pytest.mark.parametrize("k", [1, 3])
 def test_mtp_speculative_greedy_is_the_target_greedy(speculative_target, k):
     from runtime import speculative
