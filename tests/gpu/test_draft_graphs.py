@@ -1,7 +1,7 @@
 """Every draft kind's step runs on the GPU without a host sync and replays as a CUDA graph (what the speculative loop captures): the replayed step equals the same step run eagerly, and the cached steps give the uncached full forward's logits (bf16).
 
-Drafts: the embedded MTP draft of tiny_deepseek_v3 (MLA), tiny_kimi_k3's external Qwen3-MoE drafter, and
-tiny_qwen3_moe's Eagle3 head (declared for sm_120: its SM is set to this GPU's, as it binds no kernel).
+Drafts: the embedded MTP draft of tiny_deepseek_v3 (MLA), the MTP predictors of tiny_qwen3_next and tiny_nemotron_h,
+tiny_deepseek_v4_flash's MXFP4 draft stages (DR7), tiny_kimi_k3's external Qwen3-MoE drafter, and tiny_qwen3_moe's Eagle3 head (declared for sm_120: its SM is set to this GPU's, as it binds no kernel).
 Random weights from each draft's own `init_random`; random target states where the draft reads them.
 """
 from __future__ import annotations
@@ -16,6 +16,9 @@ pytestmark = pytest.mark.gpu
 
 DRAFTS = {
     "mtp": "generated.tiny_deepseek_v3.tiny_deepseek_v3_bf16__sm_90__tp1.draft",
+    "mtp_qwen3_next": "generated.tiny_qwen3_next.tiny_qwen3_next_bf16__sm_90__tp1.draft",
+    "mtp_nemotron_h": "generated.tiny_nemotron_h.tiny_nemotron_h_bf16__sm_90__tp1.draft",
+    "draft_stages": "generated.tiny_deepseek_v4_flash.tiny_deepseek_v4_flash_mixed__sm_90__tp1.draft",
     "external": "generated.tiny_kimi_k3.tiny_kimi_k3_mxfp4__sm_90__tp1.draft",
     "eagle3": "generated.tiny_qwen3_moe.tiny_qwen3_moe_bf16__sm_120__tp1.draft",
 }
@@ -33,7 +36,12 @@ def _draft(kind, monkeypatch):
 def _target_states(draft, batch, length):
     if draft.INPUT == "tokens":
         return None
-    width = draft.head.fc.weight.shape[1] if draft.INPUT == "aux_hidden" else draft.blocks[0].eh_proj.weight.shape[0]
+    if draft.INPUT == "aux_hidden":
+        width = draft.head.fc.weight.shape[1]
+    elif hasattr(draft, "lm_head"):  # an MTP predictor kept as its own tree (qwen3_next, nemotron_h) has its own head
+        width = draft.lm_head.weight.shape[1]
+    else:
+        width = draft.blocks[0].eh_proj.weight.shape[0]
     return torch.randn(batch, length, width, device="cuda", dtype=torch.bfloat16)
 
 
