@@ -3,6 +3,8 @@
 E2M1 is the element of both MXFP4 and NVFP4. Packing puts element 2i in the low nibble and 2i+1 in the
 high nibble, the convention of every producer checked (research note, formats §1.2).
 """
+import functools
+
 import torch
 
 # Index = 4-bit code: sign bit 3, exponent bits 2:1 (bias 1), mantissa bit 0. No Inf, no NaN.
@@ -50,8 +52,10 @@ def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     return pairs.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
-def _pair_table(dtype: torch.dtype, device) -> torch.Tensor:
-    # byte -> (value of low nibble, value of high nibble): one gather decodes a whole byte.
+@functools.lru_cache(maxsize=None)
+def _pair_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # byte -> (value of low nibble, value of high nibble): one gather decodes a whole byte. Built once per
+    # device: building it copies a host list to the device, a host sync a CUDA forward must not make.
     values = e2m1_table(dtype, device)
     byte = torch.arange(256, device=device)
     return torch.stack((values[byte & 0x0F], values[byte >> 4]), dim=-1)

@@ -4,6 +4,8 @@ Also home of the E8M0 scale codec, which MXFP8 shares. Byte 0xFF is NaN (OCP §5
 transformers dequantizers instead read it as 2^128 (research note, pitfall 3), so they are oracles for
 every scale but that one.
 """
+import functools
+
 import torch
 
 from .fp4 import dequantize_e2m1, pack_fp4, quantize_e2m1
@@ -21,9 +23,15 @@ def e8m0_table(device=None) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
+@functools.lru_cache(maxsize=None)
+def _device_e8m0_table(device: torch.device) -> torch.Tensor:
+    # Built once per device: building it copies a host list to the device, a host sync a CUDA forward must not make.
+    return e8m0_table(device)
+
+
 def e8m0_to_float(bits: torch.Tensor) -> torch.Tensor:
     """fp32 values of E8M0 scale bytes (uint8)."""
-    return e8m0_table(bits.device)[bits.long()]
+    return _device_e8m0_table(bits.device)[bits.long()]
 
 
 def floor_scale_bits(amax: torch.Tensor, emax_elem: int) -> torch.Tensor:

@@ -74,9 +74,10 @@ def _check_decoding(model, tolerance, every_position=True):
 
 
 # bf16: the builds users run. fp32: what is left is the TORCH experts' bf16 GEMM operands and their
-# grouping of 1 and S tokens (1e-3, as on the CPU: tests/generated/test_decoding.py); a graph replayed
-# at stale positions or with a stale cache is off by the logits' own size.
-@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 2e-2), (torch.float32, 1e-3)], ids=["bf16", "fp32"])
+# grouping of 1 and S tokens (2e-3: deepseek_v3's reached 1.05e-3 and 1.10e-3 at one position in two of
+# four H200 runs on 2026-12-01, its MLA decode computing absorbed what the full forward expands); a graph
+# replayed at stale positions or with a stale cache is off by the logits' own size.
+@pytest.mark.parametrize("dtype,tolerance", [(torch.bfloat16, 2e-2), (torch.float32, 2e-3)], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("family", sorted(SPECIALIZED))
 def test_specialized_build_decodes_in_a_graph_without_host_syncs(family, dtype, tolerance):
     _check_decoding(_specialized(family, dtype), tolerance, every_position=dtype == torch.float32)
