@@ -40,7 +40,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runtime.experts.base import MoeLayerSpec  # noqa: E402
+from runtime.experts.base import MoeShape  # noqa: E402
 from runtime.experts.cupy_mma import (CupyMmaBf16Experts, CupyMmaFp8BlockScalesExperts,  # noqa: E402
                                       CupyMmaW4a8Mxfp4Fp8Experts, CupyMmaW4a16Mxfp4Experts,
                                       CupyMmaW4a16Nvfp4Experts)
@@ -339,7 +339,7 @@ def sweep(args, result):
     rows = []
     for shape in ("Q", "D"):
         h, i, e, k = SHAPES[shape]
-        spec = MoeLayerSpec(h, i, e, k, "silu_glu")
+        spec = MoeShape(h, i, e, k, "silu_glu")
         router = Router(h, e, k, None)
         for t in (int(v) for v in args.sweep_tokens.split(",")):
             x = torch.randn(t, h, device="cuda").bfloat16()
@@ -377,7 +377,7 @@ def triton_sweep(args, result):
     rows = []
     for shape in args.shapes.split(","):
         h, i, e, k = SHAPES[shape]
-        spec = MoeLayerSpec(h, i, e, k, "silu_glu")
+        spec = MoeShape(h, i, e, k, "silu_glu")
         router = Router(h, e, k, None)
         for fmt in args.formats.split(","):
             if fmt not in TRITON_CLASSES or (fmt == "fp8_block_scales" and (h % 128 or i % 128)):
@@ -420,7 +420,7 @@ def profile(args):
               ("Q", "bf16", 2048), ("D", "bf16", 8192)))
     for shape, fmt, t in cells:
         h, i, e, k = SHAPES[shape]
-        spec = MoeLayerSpec(h, i, e, k, "silu_glu")
+        spec = MoeShape(h, i, e, k, "silu_glu")
         mods = build(fmt, spec, copies=1)
         router = Router(h, e, k, None)
         x = torch.randn(t, h, device="cuda").bfloat16()
@@ -475,7 +475,7 @@ def run(args):
                                **{n: v for n, v in row.items() if n not in ("shape", "tokens", "routing")}}
     for shape in args.shapes.split(","):
         h, i, e, k = SHAPES[shape]
-        spec = MoeLayerSpec(h, i, e, k, "silu_glu")
+        spec = MoeShape(h, i, e, k, "silu_glu")
         gen = torch.Generator().manual_seed(1)
         bias = {"uniform": None, "skewed": skew_bias(e, k, h, gen)}
         routers = {r: Router(h, e, k, bias[r]) for r in routings}

@@ -24,7 +24,7 @@ _LLAMA_ROPE_DEFAULTS = {"rope_theta": 10000.0}
 
 
 def _experts_spec(decl: Declaration, c: dict) -> str:
-    """MoeLayerSpec arguments in terms of the inlined constants. The registry resolved each layer against
+    """MoeShape arguments in terms of the inlined constants. The registry resolved each layer against
     `family.shape(config)`; the template's constants come from `normalize`: both must say the same."""
     spec = decl.family
     shape = spec.shape(decl.config)

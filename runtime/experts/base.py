@@ -30,9 +30,6 @@ class WeightLoadError(ValueError):
     """A checkpoint tensor is missing or has the wrong shape or dtype; the message names each one."""
 
 
-# The layer shape is the contract's, shared with the registry; MoeLayerSpec is the name runtime code uses.
-MoeLayerSpec = MoeShape
-
 
 @dataclass(frozen=True)
 class ExpertParallel:
@@ -95,7 +92,7 @@ class ExpertsBase(torch.nn.Module):
     IMPL_ID: ClassVar[str] = ""
     FORMAT: ClassVar[str] = ""
 
-    def __init__(self, spec: MoeLayerSpec, parallel: ExpertParallel = ExpertParallel(), device=None,
+    def __init__(self, spec: MoeShape, parallel: ExpertParallel = ExpertParallel(), device=None,
                  dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         if self.FORMAT not in RUN_FORMATS or not self.IMPL_ID:
@@ -215,7 +212,7 @@ class ExpertsBase(torch.nn.Module):
         self.load_weights(random_source(self.spec, self.FORMAT, self.expert_ids, generator))
 
     @classmethod
-    def from_checkpoint(cls, spec: MoeLayerSpec, parallel: ExpertParallel, source: ExpertTensorSource,
+    def from_checkpoint(cls, spec: MoeShape, parallel: ExpertParallel, source: ExpertTensorSource,
                         device=None, dtype: torch.dtype = torch.bfloat16) -> "ExpertsBase":
         module = cls(spec, parallel, device=device, dtype=dtype)
         module.load_weights(source)

@@ -54,7 +54,7 @@ def _scaled(sl: slice, unit: int) -> slice:
 
 def canonical_tensors(spec, fmt: str, inter: slice | None = None,
                       plain: torch.dtype = torch.bfloat16) -> tuple[CanonicalTensor, ...]:
-    """The canonical tensors of one expert of the layer `spec` (a MoeLayerSpec) in run format `fmt`, sliced
+    """The canonical tensors of one expert of the layer `spec` (a MoeShape) in run format `fmt`, sliced
     to the intermediate shard `inter` (None: the whole expert). gate/up shard their rows, down its
     columns; down's bias is whole. `plain` is the dtype unquantized weights and biases are kept in."""
     weight_kind = WEIGHT_KIND[fmt]

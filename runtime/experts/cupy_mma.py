@@ -24,7 +24,7 @@ import torch
 
 from .. import kernels as K
 from ..kernels.layouts import interleave_gate_up, relayout_fp4
-from .base import ExpertParallel, ExpertsBase, MoeLayerSpec
+from .base import ExpertParallel, ExpertsBase, MoeShape
 
 _ACT_KIND = {"silu_glu": 0, "swiglu_oai": 1, "relu2": 0}
 _MAX_LOCAL_EXPERTS = 1024   # moe_align: one thread per local expert
@@ -55,7 +55,7 @@ class _CupyMmaExperts(ExpertsBase):
     # warp tiles compiled besides `plan`'s (for `forward(..., tile=)` measurements)
     extra_tiles: tuple[tuple[int, int], ...] = ()
 
-    def __init__(self, spec: MoeLayerSpec, parallel: ExpertParallel = ExpertParallel(), device=None,
+    def __init__(self, spec: MoeShape, parallel: ExpertParallel = ExpertParallel(), device=None,
                  dtype: torch.dtype = torch.bfloat16):
         super().__init__(spec, parallel, device, dtype)
         self._local_maps: dict = {}

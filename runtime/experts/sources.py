@@ -49,7 +49,7 @@ class DictExpertSource:
 
 
 def random_source(spec, fmt: str, experts, generator: torch.Generator, std: float = 0.02) -> DictExpertSource:
-    """Random canonical tensors of `experts` (whole, unsharded) of the layer `spec` (a MoeLayerSpec) in run
+    """Random canonical tensors of `experts` (whole, unsharded) of the layer `spec` (a MoeShape) in run
     format `fmt`: bf16 weights drawn normal(0, std) and quantized with the format's own codecs, so codes
     and scales are valid."""
     from ..formats.fp8 import quantize_weight_blocks

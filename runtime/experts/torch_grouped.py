@@ -14,7 +14,7 @@ import torch
 
 from .. import activations
 from ..formats.fp8 import qdq_act_groups
-from .base import ExpertParallel, ExpertsBase, MoeLayerSpec
+from .base import ExpertParallel, ExpertsBase, MoeShape
 from .canonical import WEIGHT_PARTS, dequantize_canonical
 
 # torch._grouped_mm wants 16-byte aligned strides, on CPU as on CUDA: with bf16 operands every
@@ -28,7 +28,7 @@ class _GroupedMmExperts(ExpertsBase):
     capturable: every (token, k) pair is permuted, the pairs of other ranks' experts sorted last, past
     the last group offset, and their rows masked out, so no count is read back."""
 
-    def __init__(self, spec: MoeLayerSpec, parallel: ExpertParallel = ExpertParallel(), device=None,
+    def __init__(self, spec: MoeShape, parallel: ExpertParallel = ExpertParallel(), device=None,
                  dtype: torch.dtype = torch.bfloat16):
         super().__init__(spec, parallel, device, dtype)
         self._plan: tuple[int, ...] | None = None

@@ -20,7 +20,7 @@ import zlib
 import pytest
 import torch
 
-from runtime.experts.base import DictExpertSource, ExpertParallel, MoeLayerSpec
+from runtime.experts.base import DictExpertSource, ExpertParallel, MoeShape
 from runtime.experts.cupy_mma import CupyMmaBf16Experts
 from tests.gpu.helpers_graphs import assert_graph_replay_matches_eager
 from tests.runtime.helpers_experts import (assert_rel_close, make_expert_tensors, random_hidden, random_routing,
@@ -62,7 +62,7 @@ def _reference(cls, spec, tensors, hidden, ids, weights):
 def test_cupy_matches_vanilla(cls, activation):
     h, i = SHAPES.get(cls.FORMAT, DEFAULT_SHAPE)
     bias = activation == "swiglu_oai"
-    spec = MoeLayerSpec(h, i, 8, 3, activation, expert_bias=bias)
+    spec = MoeShape(h, i, 8, 3, activation, expert_bias=bias)
     tensors = make_expert_tensors(spec, cls.FORMAT, seed=zlib.crc32(f"{cls.FORMAT}{activation}".encode()) % 1000,
                                   weight_std=3.0 if bias else 1.0)
     module = _module(cls, spec, tensors)
@@ -87,11 +87,11 @@ def test_cupy_matches_vanilla(cls, activation):
 
 
 REAL_SHAPES = {   # the layers of the SM90 targets (fewer experts): K = 2880 is an odd number of chunks
-    "bf16": MoeLayerSpec(2048, 768, 16, 8, "silu_glu"),
-    "fp8_block_scales": MoeLayerSpec(7168, 2048, 4, 2, "silu_glu"),
-    "w4a16_mxfp4": MoeLayerSpec(2880, 2880, 8, 4, "swiglu_oai", expert_bias=True),
-    "w4a8_mxfp4_fp8": MoeLayerSpec(2880, 2880, 8, 4, "swiglu_oai", expert_bias=True),
-    "w4a16_nvfp4": MoeLayerSpec(2880, 2880, 8, 4, "swiglu_oai", expert_bias=True),
+    "bf16": MoeShape(2048, 768, 16, 8, "silu_glu"),
+    "fp8_block_scales": MoeShape(7168, 2048, 4, 2, "silu_glu"),
+    "w4a16_mxfp4": MoeShape(2880, 2880, 8, 4, "swiglu_oai", expert_bias=True),
+    "w4a8_mxfp4_fp8": MoeShape(2880, 2880, 8, 4, "swiglu_oai", expert_bias=True),
+    "w4a16_nvfp4": MoeShape(2880, 2880, 8, 4, "swiglu_oai", expert_bias=True),
 }
 
 
@@ -110,7 +110,7 @@ def test_real_layer_shapes(cls):
 @pytest.mark.parametrize("cls", CUPY_EXPERTS, ids=lambda c: c.FORMAT)
 def test_all_tokens_on_one_expert_and_ids_outside_the_layer(cls):
     h, i = SHAPES.get(cls.FORMAT, DEFAULT_SHAPE)
-    spec = MoeLayerSpec(h, i, 6, 1, "silu_glu")
+    spec = MoeShape(h, i, 6, 1, "silu_glu")
     tensors = make_expert_tensors(spec, cls.FORMAT, seed=31)
     module = _module(cls, spec, tensors)
     tokens = 130
@@ -153,7 +153,7 @@ def test_fp8_activation_quantization_matches_the_codecs():
 
 @pytest.mark.parametrize("tokens", [16, 300])
 def test_cuda_graph_capture_and_replay(tokens):
-    spec = MoeLayerSpec(320, 192, 8, 2, "swiglu_oai", expert_bias=True)
+    spec = MoeShape(320, 192, 8, 2, "swiglu_oai", expert_bias=True)
     tensors = make_expert_tensors(spec, "bf16", seed=41, weight_std=3.0)
     module = _module(CupyMmaBf16Experts, spec, tensors)
     assert_graph_replay_matches_eager(module, spec, tokens)
@@ -162,7 +162,7 @@ def test_cuda_graph_capture_and_replay(tokens):
 @pytest.mark.parametrize("cls", CUPY_EXPERTS, ids=lambda c: c.FORMAT)
 def test_ep_ranks_and_tp_shards_sum_to_the_whole(cls):
     h, i = (256, 256) if cls.FORMAT == "fp8_block_scales" else (192, 128)
-    spec = MoeLayerSpec(h, i, 6, 2, "swiglu_oai", expert_bias=True)
+    spec = MoeShape(h, i, 6, 2, "swiglu_oai", expert_bias=True)
     tensors = make_expert_tensors(spec, cls.FORMAT, seed=51, weight_std=3.0)
     ids, weights = random_routing(50, spec, seed=52)
     hidden = random_hidden(50, spec, seed=53).cuda()
@@ -178,7 +178,7 @@ def test_ep_ranks_and_tp_shards_sum_to_the_whole(cls):
 
 @pytest.mark.parametrize("cls", [c for c in CUPY_EXPERTS if c.FORMAT.startswith("w4")], ids=lambda c: c.FORMAT)
 def test_a_4bit_layer_keeps_its_weights_packed(cls):
-    spec = MoeLayerSpec(2048, 768, 16, 8, "silu_glu")
+    spec = MoeShape(2048, 768, 16, 8, "silu_glu")
     module = cls(spec, device="cuda")
     module.init_random(torch.Generator().manual_seed(61))
     torch.cuda.synchronize()

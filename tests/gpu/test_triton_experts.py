@@ -20,7 +20,7 @@ import zlib
 import pytest
 import torch
 
-from runtime.experts.base import DictExpertSource, ExpertParallel, MoeLayerSpec
+from runtime.experts.base import DictExpertSource, ExpertParallel, MoeShape
 from runtime.experts.triton_grouped import TritonWgmmaFp8BlockScalesExperts
 from tests.gpu.helpers_graphs import assert_graph_replay_matches_eager
 from tests.runtime.helpers_experts import assert_rel_close, registry_classes, make_expert_tensors, random_hidden, random_routing
@@ -63,7 +63,7 @@ def _reference(fmt, spec, tensors, hidden, ids, weights):
 def test_triton_path_matches_vanilla(cls, activation):
     h, i = SHAPES[cls.FORMAT]
     bias = activation == "swiglu_oai"
-    spec = MoeLayerSpec(h, i, 8, 3, activation, expert_bias=bias)
+    spec = MoeShape(h, i, 8, 3, activation, expert_bias=bias)
     tensors = make_expert_tensors(spec, cls.FORMAT, seed=zlib.crc32(f"{cls.FORMAT}{activation}".encode()) % 1000,
                                   weight_std=3.0 if bias else 1.0)
     module = _module(cls, spec, tensors)
@@ -86,8 +86,8 @@ def test_triton_path_matches_vanilla(cls, activation):
 
 
 REAL_SHAPES = {   # the layers of the SM90 targets, fewer experts
-    "bf16": MoeLayerSpec(2048, 768, 16, 8, "silu_glu"),
-    "fp8_block_scales": MoeLayerSpec(7168, 2048, 4, 2, "silu_glu"),
+    "bf16": MoeShape(2048, 768, 16, 8, "silu_glu"),
+    "fp8_block_scales": MoeShape(7168, 2048, 4, 2, "silu_glu"),
 }
 
 
@@ -106,7 +106,7 @@ def test_real_layer_shapes_at_prefill_sizes_take_the_triton_path(cls):
 
 @pytest.mark.parametrize("cls", TRITON_EXPERTS, ids=lambda c: c.FORMAT)
 def test_small_calls_run_the_cupy_path(cls):
-    spec = MoeLayerSpec(*SHAPES[cls.FORMAT], 8, 2, "silu_glu")
+    spec = MoeShape(*SHAPES[cls.FORMAT], 8, 2, "silu_glu")
     tensors = make_expert_tensors(spec, cls.FORMAT, seed=25)
     module = _module(cls, spec, tensors)
     assert module.plan(3, 2)[0] == "kernels"
@@ -119,7 +119,7 @@ def test_small_calls_run_the_cupy_path(cls):
 
 @pytest.mark.parametrize("cls", TRITON_EXPERTS, ids=lambda c: c.FORMAT)
 def test_dropped_slots_contribute_nothing(cls):
-    spec = MoeLayerSpec(*SHAPES[cls.FORMAT], 6, 1, "silu_glu")
+    spec = MoeShape(*SHAPES[cls.FORMAT], 6, 1, "silu_glu")
     tensors = make_expert_tensors(spec, cls.FORMAT, seed=31)
     module = _module(cls, spec, tensors)
     tokens = 130
@@ -136,7 +136,7 @@ def test_dropped_slots_contribute_nothing(cls):
 @pytest.mark.parametrize("cls", TRITON_EXPERTS, ids=lambda c: c.FORMAT)
 def test_ep_ranks_and_tp_shards_sum_to_the_whole(cls):
     h, i = (256, 256) if cls.FORMAT == "fp8_block_scales" else (192, 128)
-    spec = MoeLayerSpec(h, i, 6, 2, "swiglu_oai", expert_bias=True)
+    spec = MoeShape(h, i, 6, 2, "swiglu_oai", expert_bias=True)
     tensors = make_expert_tensors(spec, cls.FORMAT, seed=51, weight_std=3.0)
     ids, weights = random_routing(90, spec, seed=52)
     hidden = random_hidden(90, spec, seed=53).cuda()
@@ -152,6 +152,6 @@ def test_ep_ranks_and_tp_shards_sum_to_the_whole(cls):
 @pytest.mark.parametrize("tokens", [64, 300])
 def test_cuda_graph_capture_and_replay(tokens):
     cls = TritonWgmmaFp8BlockScalesExperts
-    spec = MoeLayerSpec(384, 256, 8, 2, "swiglu_oai", expert_bias=True)
+    spec = MoeShape(384, 256, 8, 2, "swiglu_oai", expert_bias=True)
     module = _module(cls, spec, make_expert_tensors(spec, cls.FORMAT, seed=41, weight_std=3.0))
     assert_graph_replay_matches_eager(module, spec, tokens, path="triton")

@@ -17,7 +17,7 @@ from generated import run
 from generated._build_index import INDEX
 from runtime.checkpoint import CheckpointReader, experts_source
 from runtime.checkpoint.writer import save_checkpoint, stored_expert_tensors
-from runtime.experts.base import MoeLayerSpec, random_source
+from runtime.experts.base import MoeShape, random_source
 
 PREFIX = "model.layers.0.mlp.experts"
 
@@ -26,7 +26,7 @@ PREFIX = "model.layers.0.mlp.experts"
                                         ("gpt_oss_bf16", "bf16"), ("gpt_oss_mxfp4", "w4a16_mxfp4"),
                                         ("gate_up_down", "nvfp4")])
 def test_every_experts_layout_reads_back_as_written(layout, fmt, tmp_path):
-    spec = MoeLayerSpec(hidden_size=128, intermediate_size=64, num_experts=3, top_k=2, activation="silu_glu",
+    spec = MoeShape(hidden_size=128, intermediate_size=64, num_experts=3, top_k=2, activation="silu_glu",
                         expert_bias=layout.startswith("gpt_oss"))
     canonical = random_source(spec, fmt, range(3), torch.Generator().manual_seed(1)).tensors
     save_checkpoint(stored_expert_tensors(canonical, 3, layout, PREFIX), tmp_path)

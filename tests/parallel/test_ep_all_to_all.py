@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime.experts.base import DictExpertSource, ExpertParallel, MoeLayerSpec, random_source
+from runtime.experts.base import DictExpertSource, ExpertParallel, MoeShape, random_source
 from runtime.experts.vanilla import TorchEagerBf16Experts
 from runtime.launch import launch
 from runtime.ops import MoEBlock
@@ -13,7 +13,7 @@ from runtime.parallel import Layout
 from runtime.routing import SoftmaxTopKRouter
 
 H, E, K = 32, 8, 2
-SPEC = MoeLayerSpec(hidden_size=H, intermediate_size=16, num_experts=E, top_k=K, activation="silu_glu")
+SPEC = MoeShape(hidden_size=H, intermediate_size=16, num_experts=E, top_k=K, activation="silu_glu")
 COUNTS = (3, 5)  # tokens on rank 0 and rank 1: unequal on purpose
 
 

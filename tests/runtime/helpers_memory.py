@@ -8,10 +8,10 @@ extra memory the bf16 TORCH layer's forward needs on the same inputs above its o
 """
 import torch
 
-from runtime.experts.base import DictExpertSource, ExpertParallel, MoeLayerSpec, dequantize_canonical, random_source
+from runtime.experts.base import DictExpertSource, ExpertParallel, MoeShape, dequantize_canonical, random_source
 from runtime.experts.torch_grouped import TorchGroupedMmBf16Experts
 
-SPEC = MoeLayerSpec(1024, 512, 32, 4, "silu_glu")
+SPEC = MoeShape(1024, 512, 32, 4, "silu_glu")
 TOKENS = 16
 BOUND = 1.1
 

@@ -10,7 +10,7 @@ from families import FAMILIES
 from runtime.checkpoint.errors import CheckpointError
 from runtime.checkpoint.loader import find_experts_modules, load_checkpoint
 from runtime.checkpoint.reader import CheckpointReader
-from runtime.experts.base import MoeLayerSpec
+from runtime.experts.base import MoeShape
 from runtime.experts.vanilla import (TorchEagerBf16Experts, TorchEagerFp8BlockScalesExperts,
                                      TorchEagerNvfp4Experts, TorchEagerW4a16Mxfp4Experts,
                                      TorchEagerW4a16Nvfp4Experts)
@@ -20,8 +20,8 @@ from tests.runtime import fixtures_checkpoints as fc
 E, H, I = fc.EXPERTS, fc.HIDDEN, fc.MOE_INTER
 
 
-def _spec(family: str, hidden: int = H, inter: int = I) -> MoeLayerSpec:
-    return MoeLayerSpec(hidden_size=hidden, intermediate_size=inter, num_experts=E, top_k=2,
+def _spec(family: str, hidden: int = H, inter: int = I) -> MoeShape:
+    return MoeShape(hidden_size=hidden, intermediate_size=inter, num_experts=E, top_k=2,
                         activation=fc.activation(family), expert_bias=family == "gpt_oss")
 
 
@@ -226,7 +226,7 @@ def _small_tensors() -> dict[str, torch.Tensor]:
 
 
 def _small_build_unfilled() -> tuple[nn.Module, TorchEagerBf16Experts]:
-    experts = TorchEagerBf16Experts(MoeLayerSpec(hidden_size=SMALL_H, intermediate_size=SMALL_I, num_experts=E,
+    experts = TorchEagerBf16Experts(MoeShape(hidden_size=SMALL_H, intermediate_size=SMALL_I, num_experts=E,
                                                  top_k=2, activation="silu_glu"))
     params = {n: (tuple(t.shape), t.dtype) for n, t in _small_tensors().items() if not n.startswith(PREFIX)}
     return fc.mirror(params, {PREFIX: experts}, fill=0.5), experts
@@ -306,7 +306,7 @@ def test_unquantized_expert_weights_of_any_float_dtype_load_into_the_dtype_the_e
         for proj, shape in (("gate", (SMALL_I, SMALL_H)), ("up", (SMALL_I, SMALL_H)), ("down", (SMALL_H, SMALL_I))):
             tensors[f"{PREFIX}.{e}.{proj}_proj.weight"] = torch.randn(*shape, generator=gen).to(stored)
     path = _write(tmp_path, tensors)
-    spec = MoeLayerSpec(hidden_size=SMALL_H, intermediate_size=SMALL_I, num_experts=E, top_k=2, activation="silu_glu")
+    spec = MoeShape(hidden_size=SMALL_H, intermediate_size=SMALL_I, num_experts=E, top_k=2, activation="silu_glu")
     want = torch.stack([tensors[f"{PREFIX}.{e}.down_proj.weight"] for e in range(E)])
     for cls, dtype, kept in ((TorchEagerBf16Experts, torch.float32, torch.float32),
                              (TorchEagerBf16Experts, torch.bfloat16, torch.bfloat16),

@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from runtime.experts.base import (DictExpertSource, ExpertParallel, MoeLayerSpec, WeightLoadError,
+from runtime.experts.base import (DictExpertSource, ExpertParallel, MoeShape, WeightLoadError,
                                   canonical_tensors)
 from runtime.experts.torch_grouped import TorchGroupedMmBf16Experts
 from runtime.experts.vanilla import (TorchEagerBf16Experts, TorchEagerFp8BlockScalesExperts,
@@ -64,7 +64,7 @@ class _NonMetaOps(TorchDispatchMode):
 @pytest.mark.parametrize("cls", ALL_EXPERTS, ids=lambda c: c.IMPL_ID)
 def test_meta_construction_allocates_and_computes_nothing(cls):
     # DeepSeek-V3-sized layer: tens of GB if anything were materialized
-    spec = MoeLayerSpec(7168, 2048, 256, 8, "silu_glu")
+    spec = MoeShape(7168, 2048, 256, 8, "silu_glu")
     with _NonMetaOps() as record:
         module = cls(spec, ExpertParallel(moe_tp_size=2, moe_tp_rank=1, ep_size=2, ep_rank=0), device="meta")
     assert record.ops == []
@@ -77,7 +77,7 @@ def test_meta_construction_allocates_and_computes_nothing(cls):
 @pytest.mark.parametrize("cls", [TorchEagerFp8BlockScalesExperts, TorchGroupedMmBf16Experts],
                          ids=lambda c: c.IMPL_ID)
 def test_meta_then_materialize_then_load_equals_direct_build(cls):
-    spec = MoeLayerSpec(200 if cls.FORMAT != "bf16" else 40, 136 if cls.FORMAT != "bf16" else 24, 4, 2, "silu_glu")
+    spec = MoeShape(200 if cls.FORMAT != "bf16" else 40, 136 if cls.FORMAT != "bf16" else 24, 4, 2, "silu_glu")
     tensors = make_expert_tensors(spec, cls.FORMAT, seed=61)
     module = cls(spec, device="meta").to_empty(device="cpu")
     module.load_weights(DictExpertSource(tensors))
@@ -89,7 +89,7 @@ def test_meta_then_materialize_then_load_equals_direct_build(cls):
 
 # --- loading ----------------------------------------------------------------------------------------
 
-LOAD_SPEC = MoeLayerSpec(256, 136, 4, 2, "silu_glu")
+LOAD_SPEC = MoeShape(256, 136, 4, 2, "silu_glu")
 PREFIX = "model.layers.3.mlp.experts"
 
 
@@ -147,7 +147,7 @@ def test_load_error_lists_every_bad_tensor():
 
 
 def test_canonical_tensor_table_of_each_format():
-    spec = MoeLayerSpec(64, 96, 2, 1, "swiglu_oai", expert_bias=True)
+    spec = MoeShape(64, 96, 2, 1, "swiglu_oai", expert_bias=True)
     table = lambda fmt: {(t.proj, t.kind): (t.shape, t.dtype) for t in canonical_tensors(spec, fmt)}   # noqa
     assert table("w4a8_mxfp4_mxfp8") == {
         ("gate", "weight"): ((96, 32), torch.uint8), ("gate", "weight_scale"): ((96, 2), torch.uint8),
@@ -161,17 +161,17 @@ def test_canonical_tensor_table_of_each_format():
     assert nv["up", "weight_scale_2"] == ((), torch.float32) and nv["up", "input_scale"] == ((), torch.float32)
     assert ("up", "input_scale") not in table("w4a16_nvfp4")
     assert table("fp8_block_scales")["down", "weight_scale_inv"] == ((1, 1), torch.float32)
-    relu = MoeLayerSpec(64, 96, 2, 1, "relu2")
+    relu = MoeShape(64, 96, 2, 1, "relu2")
     assert {t.proj for t in canonical_tensors(relu, "bf16")} == {"up", "down"}
 
 
 def test_size_and_parallel_validation_messages():
     with pytest.raises(ValueError) as err:
-        TorchEagerW4a16Mxfp4Experts(MoeLayerSpec(48, 64, 4, 2, "silu_glu"), device="meta")
+        TorchEagerW4a16Mxfp4Experts(MoeShape(48, 64, 4, 2, "silu_glu"), device="meta")
     assert str(err.value) == ("torch.eager.loop.w4a16_mxfp4: hidden_size 48 is not a multiple of 32 "
                               "(w4a16_mxfp4 scale or kernel layout)")
     with pytest.raises(ValueError) as err:
-        TorchEagerFp8BlockScalesExperts(MoeLayerSpec(256, 384, 4, 2, "silu_glu"),
+        TorchEagerFp8BlockScalesExperts(MoeShape(256, 384, 4, 2, "silu_glu"),
                                         ExpertParallel(moe_tp_size=2), device="meta")
     assert str(err.value) == ("torch.eager.loop.fp8_block_scales: the MoE-TP shard of 192 intermediate "
                               "channels is not a multiple of 128 (fp8_block_scales scale or kernel layout)")
@@ -179,23 +179,23 @@ def test_size_and_parallel_validation_messages():
         ExpertParallel(ep_size=2, ep_rank=2)
     assert str(err.value) == "ExpertParallel: ep_rank=2 must lie in 0..1 (ep_size=2)"
     with pytest.raises(ValueError) as err:
-        TorchEagerBf16Experts(MoeLayerSpec(32, 16, 5, 2, "silu_glu"), ExpertParallel(ep_size=2), device="meta")
+        TorchEagerBf16Experts(MoeShape(32, 16, 5, 2, "silu_glu"), ExpertParallel(ep_size=2), device="meta")
     assert str(err.value) == ("5 experts do not split into 2 equal contiguous blocks; "
                               "give ExpertParallel.expert_owner")
     with pytest.raises(ValueError) as err:
-        MoeLayerSpec(32, 16, 4, 2, "gelu")
+        MoeShape(32, 16, 4, 2, "gelu")
     assert str(err.value) == "unknown expert activation 'gelu'; known: silu_glu, swiglu_oai, relu2"
 
 
 # --- MoE TP and EP ----------------------------------------------------------------------------------
 
 TP_CASES = [
-    (VANILLA["bf16"], MoeLayerSpec(40, 48, 5, 2, "swiglu_oai", expert_bias=True), 2),   # down bias added once
-    (VANILLA["fp8_block_scales"], MoeLayerSpec(200, 256, 4, 2, "silu_glu"), 2),
-    (VANILLA["w4a8_mxfp4_mxfp8"], MoeLayerSpec(64, 128, 4, 2, "relu2"), 4),
-    (VANILLA["nvfp4"], MoeLayerSpec(48, 64, 4, 2, "silu_glu"), 4),
-    (TORCH["bf16"], MoeLayerSpec(40, 48, 5, 2, "swiglu_oai", expert_bias=True), 2),
-    (TORCH["w4a16_mxfp4"], MoeLayerSpec(64, 128, 4, 2, "silu_glu"), 2),
+    (VANILLA["bf16"], MoeShape(40, 48, 5, 2, "swiglu_oai", expert_bias=True), 2),   # down bias added once
+    (VANILLA["fp8_block_scales"], MoeShape(200, 256, 4, 2, "silu_glu"), 2),
+    (VANILLA["w4a8_mxfp4_mxfp8"], MoeShape(64, 128, 4, 2, "relu2"), 4),
+    (VANILLA["nvfp4"], MoeShape(48, 64, 4, 2, "silu_glu"), 4),
+    (TORCH["bf16"], MoeShape(40, 48, 5, 2, "swiglu_oai", expert_bias=True), 2),
+    (TORCH["w4a16_mxfp4"], MoeShape(64, 128, 4, 2, "silu_glu"), 2),
 ]
 
 
@@ -226,7 +226,7 @@ EP_CASES = [
                          ids=lambda c: c.IMPL_ID)
 @pytest.mark.parametrize("ranks", EP_CASES, ids=["contiguous", "owner_map"])
 def test_ep_ranks_sum_to_the_whole(cls, ranks):
-    spec = MoeLayerSpec(48, 32, 6, 3, "silu_glu")
+    spec = MoeShape(48, 32, 6, 3, "silu_glu")
     tensors = make_expert_tensors(spec, cls.FORMAT, seed=91)
     ids, weights = random_routing(25, spec, seed=92)
     hidden = random_hidden(25, spec, seed=93, dtype=torch.float32)

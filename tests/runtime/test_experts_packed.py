@@ -13,7 +13,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from runtime.experts.base import DictExpertSource, ExpertParallel, MoeLayerSpec
+from runtime.experts.base import DictExpertSource, ExpertParallel, MoeShape
 from runtime.experts.torch_grouped import TorchGroupedMmBf16Experts
 
 from . import helpers_memory as mem
@@ -27,7 +27,7 @@ BIAS_BUFFERS = ("b13", "b2", "gate_bias", "up_bias", "down_bias")
 
 @pytest.mark.parametrize("cls", TORCH_4BIT + VANILLA_4BIT, ids=lambda c: c.IMPL_ID)
 def test_4bit_weights_are_held_as_the_packed_checkpoint_tensors(cls):
-    spec = MoeLayerSpec(64, 96, 5, 2, "swiglu_oai", expert_bias=True)
+    spec = MoeShape(64, 96, 5, 2, "swiglu_oai", expert_bias=True)
     tensors = make_expert_tensors(spec, cls.FORMAT, seed=7)
     module = cls.from_checkpoint(spec, ExpertParallel(), DictExpertSource(tensors))
     held = {name: b for name, b in module.named_buffers() if name not in BIAS_BUFFERS}
@@ -61,7 +61,7 @@ def _bf16_twin(spec, fmt, tensors):
 @pytest.mark.parametrize("activation", ["silu_glu", "swiglu_oai", "relu2"])
 @pytest.mark.parametrize("cls", TORCH_4BIT, ids=lambda c: c.FORMAT)
 def test_packed_torch_equals_the_bf16_weights_it_replaced(cls, activation):
-    spec = MoeLayerSpec(64, 96, 5, 2, activation, expert_bias=activation == "swiglu_oai")
+    spec = MoeShape(64, 96, 5, 2, activation, expert_bias=activation == "swiglu_oai")
     tensors = make_expert_tensors(spec, cls.FORMAT, seed=8, weight_std=3.0 if activation == "swiglu_oai" else 1.0)
     module = cls.from_checkpoint(spec, ExpertParallel(), DictExpertSource(tensors))
     assert module._chunking(64)[0] < 96    # several row chunks per GEMM at this size
@@ -112,7 +112,7 @@ def test_a_torch_4bit_forward_builds_no_tensor_from_host_values_after_its_first_
     replayed as a CUDA graph must not make (the dequantization tables are built once per device). The likely
     cause of the H200 failure of tests/gpu/test_draft_graphs[draft_stages] (TORCH MXFP4 experts; its message
     was cut from the run's output)."""
-    spec = MoeLayerSpec(64, 96, 5, 2, "swiglu_oai", expert_bias=True)
+    spec = MoeShape(64, 96, 5, 2, "swiglu_oai", expert_bias=True)
     module = cls.from_checkpoint(spec, ExpertParallel(), DictExpertSource(make_expert_tensors(spec, cls.FORMAT, seed=3)))
     ids, weights = random_routing(7, spec, seed=4)
     hidden = random_hidden(7, spec, seed=5)

@@ -11,7 +11,7 @@ Tolerances (relative, see helpers_experts.assert_rel_close), bf16 hidden:
 import pytest
 import torch
 
-from runtime.experts.base import DictExpertSource, ExpertParallel, MoeLayerSpec
+from runtime.experts.base import DictExpertSource, ExpertParallel, MoeShape
 from runtime.experts.torch_grouped import TorchGroupedMmBf16Experts
 
 from .helpers_experts import (assert_rel_close, make_expert_tensors, random_hidden, random_routing,
@@ -31,7 +31,7 @@ def _build(cls, spec, tensors, parallel=ExpertParallel()):
 @pytest.mark.parametrize("cls", TORCH_EXPERTS, ids=lambda c: c.FORMAT)
 def test_torch_matches_reference_and_vanilla(cls, activation):
     h, i = SHAPES[cls.FORMAT]
-    spec = MoeLayerSpec(h, i, 5, 3, activation, **ACTS[activation])
+    spec = MoeShape(h, i, 5, 3, activation, **ACTS[activation])
     tensors = make_expert_tensors(spec, cls.FORMAT, seed=31, weight_std=3.0 if activation == "swiglu_oai" else 1.0)
     ids, weights = random_routing(33, spec, seed=32)
     hidden = random_hidden(33, spec, seed=33)
@@ -47,7 +47,7 @@ def test_torch_matches_reference_and_vanilla(cls, activation):
 @pytest.mark.parametrize("cls", TORCH_EXPERTS, ids=lambda c: c.FORMAT)
 def test_torch_routing_edge_cases(cls):
     h, i = SHAPES[cls.FORMAT]
-    spec = MoeLayerSpec(h, i, 6, 2, "silu_glu")
+    spec = MoeShape(h, i, 6, 2, "silu_glu")
     tensors = make_expert_tensors(spec, cls.FORMAT, seed=41)
     torch_m, vanilla_m = _build(cls, spec, tensors), _build(VANILLA[cls.FORMAT], spec, tensors)
     loose = 3e-2 if cls.FORMAT == "fp8_block_scales" else 1e-2
@@ -74,7 +74,7 @@ def test_torch_routing_edge_cases(cls):
 
 
 def test_torch_ignores_ids_outside_the_layer():
-    spec = MoeLayerSpec(32, 16, 4, 2, "silu_glu")
+    spec = MoeShape(32, 16, 4, 2, "silu_glu")
     tensors = make_expert_tensors(spec, "bf16", seed=46)
     module = _build(TorchGroupedMmBf16Experts, spec, tensors)
     ids, weights = random_routing(8, spec, seed=47)
@@ -87,7 +87,7 @@ def test_torch_ignores_ids_outside_the_layer():
 
 def test_torch_rejects_sizes_grouped_mm_cannot_run():
     with pytest.raises(ValueError) as err:
-        TorchGroupedMmBf16Experts(MoeLayerSpec(36, 20, 4, 2, "silu_glu"), device="meta")
+        TorchGroupedMmBf16Experts(MoeShape(36, 20, 4, 2, "silu_glu"), device="meta")
     assert str(err.value) == ("torch.grouped_mm.grouped_gemm.bf16: hidden_size 36 is not a multiple of 8 "
                               "(torch._grouped_mm strides); the per-rank intermediate size 20 is not a "
                               "multiple of 8 (torch._grouped_mm strides) (bf16 scale or kernel layout)")
@@ -95,7 +95,7 @@ def test_torch_rejects_sizes_grouped_mm_cannot_run():
 
 # --- EPLB ------------------------------------------------------------------------------------------
 
-EPLB_SPEC = MoeLayerSpec(32, 24, 6, 2, "swiglu_oai", expert_bias=True)
+EPLB_SPEC = MoeShape(32, 24, 6, 2, "swiglu_oai", expert_bias=True)
 # 12 physical slots over 2 ep ranks; experts 0, 1, 3 and 5 have replicas on both ranks, expert 3 twice
 # on rank 1, expert 4 only on rank 1 and expert 2 only on rank 0.
 EPLB_SLOTS = (0, 1, 2, 3, 5, 2, 3, 4, 3, 0, 1, 5)

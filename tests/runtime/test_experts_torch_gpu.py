@@ -10,7 +10,7 @@ one). EPLB and EP splits: 1e-6 in fp32.
 import pytest
 import torch
 
-from runtime.experts.base import DictExpertSource, ExpertParallel, MoeLayerSpec
+from runtime.experts.base import DictExpertSource, ExpertParallel, MoeShape
 from runtime.experts.torch_grouped import TorchGroupedMmBf16Experts
 
 from .helpers_experts import (assert_rel_close, make_expert_tensors, random_hidden, random_routing, reference_moe,
@@ -27,7 +27,7 @@ SHAPES = {"bf16": (40, 24), "fp8_block_scales": (200, 136), "w4a16_mxfp4": (64, 
 @pytest.mark.parametrize("cls", TORCH_EXPERTS, ids=lambda c: c.FORMAT)
 def test_torch_on_gpu_matches_reference(cls, activation):
     h, i = SHAPES[cls.FORMAT]
-    spec = MoeLayerSpec(h, i, 6, 2, activation, expert_bias=activation == "swiglu_oai")
+    spec = MoeShape(h, i, 6, 2, activation, expert_bias=activation == "swiglu_oai")
     tensors = make_expert_tensors(spec, cls.FORMAT, seed=101, weight_std=3.0 if activation == "swiglu_oai" else 1.0)
     # materialized from meta straight onto the GPU, as a generated build does
     module = cls(spec, device="meta").to_empty(device="cuda")
@@ -47,7 +47,7 @@ def test_torch_on_gpu_matches_reference(cls, activation):
 
 
 def test_torch_on_gpu_eplb_and_ep_sum_to_the_whole():
-    spec = MoeLayerSpec(32, 24, 6, 2, "swiglu_oai", expert_bias=True)
+    spec = MoeShape(32, 24, 6, 2, "swiglu_oai", expert_bias=True)
     tensors = make_expert_tensors(spec, "bf16", seed=111)
     ids, weights = random_routing(40, spec, seed=112)
     hidden = random_hidden(40, spec, seed=113, dtype=torch.float32).cuda()

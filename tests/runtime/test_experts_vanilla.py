@@ -16,7 +16,7 @@ from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from runtime.experts.base import DictExpertSource, ExpertParallel, MoeLayerSpec
+from runtime.experts.base import DictExpertSource, ExpertParallel, MoeShape
 from runtime.experts.vanilla import TorchEagerBf16Experts
 
 from .helpers_experts import (assert_rel_close, make_expert_tensors, random_hidden, random_routing, reference_moe,
@@ -67,10 +67,10 @@ def _copy_weights(kind, module, tensors, spec):
 
 
 HF_CASES = {
-    "qwen3_moe": MoeLayerSpec(64, 48, 6, 2, "silu_glu"),
-    "mixtral": MoeLayerSpec(40, 72, 4, 2, "silu_glu"),
-    "gpt_oss": MoeLayerSpec(48, 32, 5, 3, "swiglu_oai", expert_bias=True),
-    "nemotron_h": MoeLayerSpec(56, 40, 6, 3, "relu2"),
+    "qwen3_moe": MoeShape(64, 48, 6, 2, "silu_glu"),
+    "mixtral": MoeShape(40, 72, 4, 2, "silu_glu"),
+    "gpt_oss": MoeShape(48, 32, 5, 3, "swiglu_oai", expert_bias=True),
+    "nemotron_h": MoeShape(56, 40, 6, 3, "relu2"),
 }
 
 
@@ -114,7 +114,7 @@ ACTS = {"silu_glu": dict(), "swiglu_oai": dict(expert_bias=True), "relu2": dict(
 @pytest.mark.parametrize("fmt", BY_FORMAT)
 def test_vanilla_matches_float64_reference(fmt, activation):
     h, i = SHAPES[fmt]
-    spec = MoeLayerSpec(h, i, 5, 2, activation, **ACTS[activation])
+    spec = MoeShape(h, i, 5, 2, activation, **ACTS[activation])
     swiglu = activation == "swiglu_oai"
     tensors = make_expert_tensors(spec, fmt, seed=21, weight_std=3.0 if swiglu else 1.0,
                                   input_amax=(12.0, 12.0, 60.0) if swiglu else (4.5, 4.0, 3.0))

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from runtime.checkpoint.experts_sources import experts_source
 from runtime.checkpoint.reader import CheckpointReader
-from runtime.experts.base import MoeLayerSpec
+from runtime.experts.base import MoeShape
 from runtime.experts.vanilla import TorchEagerBf16Experts
 from runtime.ops.mlp import MLP, SharedExpertGate
 from runtime.ops.moe import MoEBlock
@@ -62,7 +62,7 @@ def _vanilla_experts(hf_experts, *, top_k, activation="silu_glu", expert_bias=Fa
         for e in range(gate_up.shape[0]):
             tensors[f"experts.{e}.gate_proj.weight"], tensors[f"experts.{e}.up_proj.weight"] = gate_up[e].chunk(2, dim=0)
             tensors[f"experts.{e}.down_proj.weight"] = down[e]
-    spec = MoeLayerSpec(H, I, E, top_k, activation, expert_bias=expert_bias)
+    spec = MoeShape(H, I, E, top_k, activation, expert_bias=expert_bias)
     experts = TorchEagerBf16Experts(spec, dtype=dtype)
     with tempfile.TemporaryDirectory() as folder:
         save_file({n: t.contiguous() for n, t in tensors.items()}, str(Path(folder) / "model.safetensors"))
@@ -207,7 +207,7 @@ def test_moe_block_with_biased_router_and_swiglu_experts_matches_gpt_oss(dtype):
 def test_moe_block_state_dict_has_only_checkpoint_names():
     block = MoEBlock(
         gate=SigmoidTopKRouter(hidden_size=H, num_experts=E, top_k=2),
-        experts=TorchEagerBf16Experts(MoeLayerSpec(H, I, E, 2, "silu_glu")),
+        experts=TorchEagerBf16Experts(MoeShape(H, I, E, 2, "silu_glu")),
         shared_experts=MLP(hidden_size=H, intermediate_size=I, reduce_output=False),
     )
     top = {k.split(".")[0] + "." + k.split(".")[1] for k in block.state_dict() if not k.startswith("experts.")}
@@ -216,7 +216,7 @@ def test_moe_block_state_dict_has_only_checkpoint_names():
 
 
 def test_moe_block_refuses_ambiguous_wiring():
-    experts = TorchEagerBf16Experts(MoeLayerSpec(H, I, E, 2, "silu_glu"))
+    experts = TorchEagerBf16Experts(MoeShape(H, I, E, 2, "silu_glu"))
     router = SoftmaxTopKRouter(hidden_size=H, num_experts=E, top_k=2, norm_topk_prob=True)
     with pytest.raises(ValueError, match="exactly one"):
         MoEBlock(gate=router, router=router, experts=experts)

@@ -27,7 +27,7 @@ import torch
 import runtime.experts
 from registry.impls import load_registry
 from runtime.build import load_class
-from runtime.experts.base import PLAIN_FLOATS, ExpertParallel, ExpertsBase, MoeLayerSpec
+from runtime.experts.base import PLAIN_FLOATS, ExpertParallel, ExpertsBase, MoeShape
 
 IMPLS = load_registry().impls
 # Hidden sizes and per-shard intermediate sizes tried against each entry's multiples: powers of two up to
@@ -64,7 +64,7 @@ def _run(impl, hidden, inter, *, moe_tp=1, ep=1, activation="silu_glu", bias=Fal
     weights and tokens, giving finite outputs); else why not. `inter` is the per-rank shard."""
     cls = load_class(impl.class_path)
     try:
-        spec = MoeLayerSpec(hidden, inter * moe_tp, 4, 2, activation, expert_bias=bias)
+        spec = MoeShape(hidden, inter * moe_tp, 4, 2, activation, expert_bias=bias)
         parallel = ExpertParallel(moe_tp_size=moe_tp, moe_tp_rank=moe_tp - 1, ep_size=ep, ep_rank=ep - 1)
         device = device or ("cpu" if impl.cpu else "meta")
         module = cls(spec, parallel, device=device, dtype=torch.float32)
@@ -198,7 +198,7 @@ def test_it_takes_eplb_plans_exactly_when_the_entry_says_dynamic_eplb(impl):
 def test_it_keeps_quantized_buffers_exactly_when_the_entry_says_its_weights_stay_packed(impl):
     h, i = _small(impl)
     cls = load_class(impl.class_path)
-    module = cls(MoeLayerSpec(h, i, 4, 2, "silu_glu"), device="meta")
+    module = cls(MoeShape(h, i, 4, 2, "silu_glu"), device="meta")
     packed = {name for name, buf in module.named_buffers() if buf.dtype not in PLAIN_FLOATS}
     if impl.weights in ("none", "at_load"):
         assert packed == set()

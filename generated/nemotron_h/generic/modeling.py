@@ -17,7 +17,7 @@ from torch import nn
 
 from runtime import build
 from runtime.causal_lm import Architecture, CausalLMBuild
-from runtime.experts.base import ExpertParallel, MoeLayerSpec
+from runtime.experts.base import ExpertParallel, MoeShape
 from runtime.ops import GQAttention, MLP, Mamba2Mixer, MoEBlock, PatternMTPPredictor, RMSNorm, RotaryEmbedding
 from runtime.parallel import Layout
 from runtime.routing import SigmoidTopKRouter
@@ -61,7 +61,7 @@ LAYER_NORM_EPS = 1e-05
 # Checkpoint tensors this build does not read: the MTP layers, a draft's (the loader refuses any other).
 IGNORED_TENSORS = ('mtp.*',)
 # The experts shape every MoE layer is built for: the one its implementation was resolved against.
-EXPERTS_SPEC = MoeLayerSpec(
+EXPERTS_SPEC = MoeShape(
     hidden_size=HIDDEN_SIZE, intermediate_size=MOE_INTERMEDIATE_SIZE, num_experts=NUM_EXPERTS, top_k=TOP_K,
     activation='relu2', expert_bias=False,
 )

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from runtime.causal_lm import Architecture, CausalLMBuild, layer_ids
-from runtime.experts.base import ExpertParallel, MoeLayerSpec
+from runtime.experts.base import ExpertParallel, MoeShape
 from runtime.ops import GQAttention, MoEBlock, RMSNorm, RotaryEmbedding
 from runtime.parallel import Layout
 from runtime.routing import SoftmaxTopKRouter
@@ -58,7 +58,7 @@ LAYERS = (
 # Checkpoint tensors this build does not read: none (the loader refuses any unread tensor).
 IGNORED_TENSORS = ()
 # The experts shape every MoE layer is built for: the one its implementation was resolved against.
-EXPERTS_SPEC = MoeLayerSpec(
+EXPERTS_SPEC = MoeShape(
     hidden_size=HIDDEN_SIZE, intermediate_size=MOE_INTERMEDIATE_SIZE, num_experts=NUM_EXPERTS, top_k=TOP_K,
     activation='silu_glu', expert_bias=False,
 )
