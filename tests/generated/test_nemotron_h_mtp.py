@@ -19,15 +19,12 @@ import pytest
 import torch
 
 from tests.generated import builds
+from tests.generated import helpers_drafts as drafts
 
 MODEL = "tiny_nemotron_h"
 # tiny_nemotron_h's pattern is "ME*EM-": layer 2 is attention, layer 1 MoE, the shapes of the MTP's `*E`.
 AS_LAYERS = {"mtp.layers.0.": "backbone.layers.2.", "mtp.layers.1.": "backbone.layers.1."}
 NEW = 32
-
-
-def _target() -> dict:
-    return next(t for t in builds.specialized(MODEL) if t["spec_mode"] == "mtp")
 
 
 def mtp_checkpoint(seed: int = 0):
@@ -44,11 +41,7 @@ def mtp_checkpoint(seed: int = 0):
 @pytest.fixture(scope="module")
 def case():
     folder = mtp_checkpoint()
-    module = "generated" + _target()["module"]
-    target = builds.load(module).MODEL_CLASS(dtype=torch.float32)
-    draft = builds.load(module.replace(".modeling", ".draft")).DRAFT_CLASS(dtype=torch.float32)
-    reports = target.load_checkpoint(folder), draft.load_checkpoint(folder)
-    return folder, builds.read_tensors(folder), target.eval(), draft.eval(), reports
+    return (folder, builds.read_tensors(folder), *drafts.target_and_draft(MODEL, folder))
 
 
 @pytest.fixture(scope="module")
@@ -127,29 +120,14 @@ def test_a_nemotron_mtp_pattern_beyond_attention_and_moe_is_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def speculative_target(case):
-    """load_model's target and draft with VANILLA experts (fp32 GEMMs, as test_speculative's)."""
-    from generated import load_model
-    from runtime.experts.vanilla import TorchEagerBf16Experts
-
-    modules = [builds.load("generated" + _target()["module"]), builds.load("generated" + _target()["module"].replace(".modeling", ".draft"))]
-    with pytest.MonkeyPatch.context() as patch:
-        for module in modules:
-            patch.setattr(module, "IMPLEMENTATIONS", {i: (TorchEagerBf16Experts, "VANILLA") for i in module.IMPLEMENTATIONS})
-            patch.setattr(module, "CPU_IMPLS", tuple(module.IMPLEMENTATIONS))
-        yield load_model(MODEL, 90, checkpoint=str(case[0]), checkpoint_name=f"{MODEL}_bf16",
-                         speculative_config={"mode": "mtp"}, dtype=torch.float32, mode="require").eval()
+    with drafts.vanilla_speculative_target(MODEL, case[0], f"{MODEL}_bf16") as target:
+        yield target
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_mtp_speculative_greedy_is_the_target_greedy(speculative_target, k):
-    from runtime import speculative
-
-    target = speculative_target
-    assert type(target.draft).__module__ == "generated" + _target()["module"].replace(".modeling", ".draft")
-    prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=5)
-    out = target.generate(prompt, NEW, speculative=k)
-    assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
-    assert out.note is None and out.proposed == k * out.rounds
+    assert type(speculative_target.draft).__module__ == drafts.build_modules(MODEL)[1].__name__
+    drafts.assert_speculative_greedy_is_the_target_greedy(speculative_target, k, NEW)
 
 
 def test_a_nonzero_correction_bias_changes_routing_and_the_build_still_computes_transformers_logits():

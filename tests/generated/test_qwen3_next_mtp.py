@@ -16,14 +16,11 @@ import pytest
 import torch
 
 from tests.generated import builds
+from tests.generated import helpers_drafts as drafts
 
 MODEL = "tiny_qwen3_next"
 MTP_LAYER = "model.layers.1."   # tiny_qwen3_next's full-attention layer: the MTP layer's shapes
 NEW = 32
-
-
-def _target() -> dict:
-    return next(t for t in builds.specialized(MODEL) if t["spec_mode"] == "mtp")
 
 
 def mtp_checkpoint(seed: int = 0):
@@ -38,11 +35,7 @@ def mtp_checkpoint(seed: int = 0):
 @pytest.fixture(scope="module")
 def case():
     folder = mtp_checkpoint()
-    module = "generated" + _target()["module"]
-    target = builds.load(module).MODEL_CLASS(dtype=torch.float32)
-    draft = builds.load(module.replace(".modeling", ".draft")).DRAFT_CLASS(dtype=torch.float32)
-    reports = target.load_checkpoint(folder), draft.load_checkpoint(folder)
-    return folder, builds.read_tensors(folder), target.eval(), draft.eval(), reports
+    return (folder, builds.read_tensors(folder), *drafts.target_and_draft(MODEL, folder))
 
 
 @pytest.fixture(scope="module")
@@ -124,35 +117,18 @@ def test_load_model_attaches_the_mtp_draft_loaded_from_the_target_folder(case):
     folder, tensors, *_ = case
     target = load_model(MODEL, 90, checkpoint=str(folder), checkpoint_name=f"{MODEL}_bf16",
                         speculative_config={"mode": "mtp"}, dtype=torch.float32, mode="require").eval()
-    assert type(target.draft).__module__ == "generated" + _target()["module"].replace(".modeling", ".draft")
+    assert type(target.draft).__module__ == "generated" + drafts.draft_target(MODEL)["module"].replace(".modeling", ".draft")
     assert torch.equal(target.draft.mtp.norm.weight, tensors["mtp.norm.weight"].float())
     assert not any(name.startswith("mtp.") for name, _ in target.named_parameters())
 
 
 @pytest.fixture(scope="module")
 def speculative_target(case):
-    """load_model's target and draft with VANILLA experts (fp32 GEMMs: SD1 is exact only where the arithmetic is,
-    as test_speculative's)."""
-    from generated import load_model
-    from runtime.experts.vanilla import TorchEagerBf16Experts
-
-    folder = case[0]
-    modules = [builds.load("generated" + _target()["module"]), builds.load("generated" + _target()["module"].replace(".modeling", ".draft"))]
-    with pytest.MonkeyPatch.context() as patch:
-        for module in modules:
-            patch.setattr(module, "IMPLEMENTATIONS", {i: (TorchEagerBf16Experts, "VANILLA") for i in module.IMPLEMENTATIONS})
-            patch.setattr(module, "CPU_IMPLS", tuple(module.IMPLEMENTATIONS))
-        yield load_model(MODEL, 90, checkpoint=str(folder), checkpoint_name=f"{MODEL}_bf16",
-                         speculative_config={"mode": "mtp"}, dtype=torch.float32, mode="require").eval()
+    with drafts.vanilla_speculative_target(MODEL, case[0], f"{MODEL}_bf16") as target:
+        yield target
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_mtp_speculative_greedy_is_the_target_greedy(speculative_target, k):
-    from runtime import speculative
-
-    target = speculative_target
-    prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=5)
-    out = target.generate(prompt, NEW, speculative=k)
-    assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
-    assert out.note is None and out.proposed == k * out.rounds
-    assert 1 + out.rounds + out.accepted >= NEW > out.rounds + out.accepted - k
+    assert type(speculative_target.draft).__module__ == drafts.build_modules(MODEL)[1].__name__
+    drafts.assert_speculative_greedy_is_the_target_greedy(speculative_target, k, NEW)
