@@ -1,4 +1,4 @@
-"""One check shared by the expert-kernel GPU tests: a module's CUDA-graph replay equals its eager call."""
+"""Shared by the GPU tests: a module's CUDA-graph replay equals its eager call; a model's sm_90 build on this GPU."""
 from __future__ import annotations
 
 import torch
@@ -36,3 +36,13 @@ def assert_graph_replay_matches_eager(module, spec, tokens: int, **call) -> None
         eager = module(hidden, ids, weights, **call)
         torch.cuda.synchronize()
         assert_rel_close(out.float().cpu(), eager.float().cpu(), 1e-6, 1e-6)
+
+
+def sm90_build(model: str, dtype, seed: int = 4):
+    """The model's single-rank sm_90 specialized build on this GPU, with seeded random weights."""
+    from tests.generated import builds
+
+    target = next(t for t in builds.specialized(model) if builds.single_rank(t) and t["sm"] == 90)
+    built = builds.load("generated" + target["module"]).MODEL_CLASS(device="cuda", dtype=dtype)
+    built.init_random(seed=seed)
+    return built.eval()

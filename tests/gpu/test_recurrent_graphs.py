@@ -16,17 +16,11 @@ from runtime.ops import GatedDeltaNet, Mamba2Mixer
 from runtime.ops.recurrent import RecurrentCache, leaves
 from runtime.speculative import ExternalDrafter, Speculation, SpeculativeDecoder, vocab_size
 from tests.generated import builds
+from tests.gpu.helpers_graphs import sm90_build
 
 pytestmark = pytest.mark.gpu
 
 HYBRID = ("tiny_qwen3_next", "tiny_nemotron_h")
-
-
-def _build(model: str, dtype, seed=4):
-    target = next(t for t in builds.specialized(model) if builds.single_rank(t) and t["sm"] == 90)
-    built = builds.load("generated" + target["module"]).MODEL_CLASS(device="cuda", dtype=dtype)
-    built.init_random(seed=seed)
-    return built.eval()
 
 
 def _state(decoder):
@@ -41,8 +35,8 @@ def _state(decoder):
 @pytest.mark.parametrize("k", [1, 3])
 def test_graph_replayed_rounds_equal_eager_rounds_without_host_syncs(model, k):
     other = next(m for m in HYBRID if m != model)
-    target = _build(model, torch.float32)
-    drafter = _build(other, torch.float32, seed=9)   # recurrent too, and disagrees often
+    target = sm90_build(model, torch.float32)
+    drafter = sm90_build(other, torch.float32, seed=9)   # recurrent too, and disagrees often
     prompt = builds.token_ids(vocab_size(target), batch=2, length=7).cuda()
     graphed = SpeculativeDecoder(target, ExternalDrafter(drafter, target), k, 2, 256)
     eager = SpeculativeDecoder(target, ExternalDrafter(drafter, target), k, 2, 256)
@@ -71,7 +65,7 @@ def test_graph_replayed_rounds_equal_eager_rounds_without_host_syncs(model, k):
 @pytest.mark.parametrize("model", HYBRID)
 def test_speculative_greedy_in_graphs_is_the_target_greedy_in_fp32(model):
     other = next(m for m in HYBRID if m != model)
-    target, twin, drafter = _build(model, torch.float32), _build(model, torch.float32), _build(other, torch.float32, 9)
+    target, twin, drafter = sm90_build(model, torch.float32), sm90_build(model, torch.float32), sm90_build(other, torch.float32, 9)
     prompt = builds.token_ids(vocab_size(target), batch=2, length=6).cuda()
     reference = builds.greedy_reference(target, prompt, 40).cpu()
     for draft in (ExternalDrafter(twin, target), ExternalDrafter(drafter, target)):

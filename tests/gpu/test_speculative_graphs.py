@@ -14,15 +14,9 @@ import torch
 
 from runtime.speculative import ExternalDrafter, Speculation, SpeculativeDecoder, vocab_size
 from tests.generated import builds
+from tests.gpu.helpers_graphs import sm90_build
 
 pytestmark = pytest.mark.gpu
-
-
-def _build(model: str, dtype, seed=4):
-    target = next(t for t in builds.specialized(model) if builds.single_rank(t) and t["sm"] == 90)
-    built = builds.load("generated" + target["module"]).MODEL_CLASS(device="cuda", dtype=dtype)
-    built.init_random(seed=seed)
-    return built.eval()
 
 
 def _state(decoder):
@@ -32,8 +26,8 @@ def _state(decoder):
 
 @pytest.mark.parametrize("model, k", [("tiny_qwen3_moe", 3), ("tiny_deepseek_v3", 2)])
 def test_graph_replayed_rounds_equal_eager_rounds_without_host_syncs(model, k):
-    target = _build(model, torch.bfloat16)
-    drafter = ExternalDrafter(_build("tiny_qwen3_moe", torch.bfloat16, seed=9), target)  # disagrees often
+    target = sm90_build(model, torch.bfloat16)
+    drafter = ExternalDrafter(sm90_build("tiny_qwen3_moe", torch.bfloat16, seed=9), target)  # disagrees often
     prompt = builds.token_ids(vocab_size(target), batch=2, length=7).cuda()
     graphed = SpeculativeDecoder(target, drafter, k, 2, 256)
     eager = SpeculativeDecoder(target, ExternalDrafter(drafter.model, target), k, 2, 256)
@@ -59,7 +53,7 @@ def _explained_by_ties(target, out, reference, prompt_len):
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_an_always_agreeing_drafter_is_accepted_k_per_round_and_reports_its_rate(k):
-    target, twin = _build("tiny_qwen3_moe", torch.bfloat16), _build("tiny_qwen3_moe", torch.bfloat16)
+    target, twin = sm90_build("tiny_qwen3_moe", torch.bfloat16), sm90_build("tiny_qwen3_moe", torch.bfloat16)
     prompt = builds.token_ids(vocab_size(target), batch=1, length=16).cuda()
     plain = target.generate(prompt, 64)
     plain = target.generate(prompt, 64)  # the second call: graphs captured, the rate is decode's
@@ -90,7 +84,7 @@ def test_mtp_drafts_decode_in_graphs_to_the_target_greedy_in_fp32(model):
 
 
 def test_sampled_rounds_replay_in_graphs_seeded_and_accept_an_agreeing_drafter():
-    target, twin = _build("tiny_qwen3_moe", torch.float32), _build("tiny_qwen3_moe", torch.float32)
+    target, twin = sm90_build("tiny_qwen3_moe", torch.float32), sm90_build("tiny_qwen3_moe", torch.float32)
     prompt = builds.token_ids(vocab_size(target), batch=2, length=8).cuda()
     spec = Speculation(3, ExternalDrafter(twin, target))
     out = target.generate(prompt, 48, temperature=0.8, top_p=0.9, seed=3, speculative=spec)
