@@ -2,7 +2,7 @@
 # Regenerate: python -m codegen generate --model deepseek_v4_flash
 # Fingerprint: sha256:f4cf4ad2b084dfd9df351a18855df10085da4088b5bcae39e1bbac30dad53a34
 # Generic draft of deepseek_v4_flash.
-"""deepseek_v4_flash generic draft: deepseek_v4_flash_stages, its embedded draft stages (speculative mode 'dspark').
+"""deepseek_v4_flash generic draft: deepseek_v4_flash_stages, embedded draft stages (mode 'dspark').
 
 deepseek_v4_flash_stages: embedded draft stages under model.draft_stages; each an MTP-like layer chained as
 DeepSeek-V3's MTP layers (RULES DR7; assumed, the stages are not public):

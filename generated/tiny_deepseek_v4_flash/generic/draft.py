@@ -2,7 +2,7 @@
 # Regenerate: python -m codegen generate --model tiny_deepseek_v4_flash
 # Fingerprint: sha256:acfc45528f9f18b306eabe52f0deefe91dd6ed9fd8e23fac426a90edb6104af0
 # Generic draft of tiny_deepseek_v4_flash.
-"""tiny_deepseek_v4_flash generic draft: tiny_deepseek_v4_flash_stages, its embedded draft stages (speculative mode 'dspark').
+"""tiny_deepseek_v4_flash generic draft: tiny_deepseek_v4_flash_stages, embedded draft stages (mode 'dspark').
 
 tiny_deepseek_v4_flash_stages: embedded draft stages under model.draft_stages; each an MTP-like layer chained as
 DeepSeek-V3's MTP layers (RULES DR7; assumed, the stages are not public):
