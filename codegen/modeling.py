@@ -298,7 +298,8 @@ def render_generic_draft(decl: Declaration, plan: BuildPlan, command: str) -> st
 
 
 def _stages_tree(decl: Declaration, declared, site: str) -> str:
-    """The module under `model.` that holds the draft stages (RULES DR7), read from the declared experts prefix.
+    """The module under `model.` that holds the draft stages `declared` (RULES DR7), read from their declared experts
+    prefix; `site` (a target, or `<model>/generic`) names the build in the refusal.
 
     What a draft stage is at run time (assumed; DeepSeek-V4-Flash's stages are not public): an MTP-like layer each,
     laid out and chained as DeepSeek-V3's MTP layers are (`enorm`, `hnorm`, `eh_proj`, the family's decoder layer,
