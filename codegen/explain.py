@@ -140,10 +140,10 @@ def _draft_build_line(decl: Declaration, site: Explained, mode: str) -> str:
                else f"target {site.target.name} does not serve (criteria above); ")
     if site.generic_draft:
         return f"  draft build: {why}generated/{decl.model.name}/generic/draft.py ({draft.kind} {draft.name}, resolved at load)"
-    from codegen.modeling import mtp_families
+    from codegen.modeling import mtp_families, stages_families
 
     return (f"  draft build: none ({why}generic builds construct only the embedded or replacement-head MTP drafts of "
-            f"{mtp_families()}; the {draft.kind} draft {draft.name} is declared)")
+            f"{mtp_families()} and the draft stages of {stages_families()}; the {draft.kind} draft {draft.name} is declared)")
 
 
 def render_text(decl: Declaration, sm: int, selection: Selection, explained: list[Explained], mode: str) -> str:

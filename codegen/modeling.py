@@ -160,14 +160,14 @@ def render_draft(decl: Declaration, plan: BuildPlan, registry: Registry, command
 
         raise GenerationError(f"{plan.target}: {spec.mtp_refusal}, so {draft.name} has nothing to load; declare an eagle3 or "
                               "external draft for this model")
-    stages_of = tuple(name for name, s in FAMILIES.items() if s.mtp_draft and not s.mtp_tree)
+    stages_of = _stages_families()
     if (draft.kind not in ("embedded_mtp", "replacement_mtp", "draft_stages") or not spec.mtp_draft
             or (draft.kind == "draft_stages" and spec.name not in stages_of)):
         from codegen.errors import GenerationError
 
         raise GenerationError(
             f"{plan.target}: the runtime builds embedded and replacement-head MTP drafts of {mtp_families()}, draft stages of "
-            f"{' and '.join(stages_of)}, external drafters and Eagle3 heads; {draft.name} is a {draft.kind} draft of family "
+            f"{stages_families()}, external drafters and Eagle3 heads; {draft.name} is a {draft.kind} draft of family "
             f"{spec.name}: declare the target's selection without this spec_mode"
         )
     impls = sorted({l.impl for l in draft.layers})
@@ -179,7 +179,7 @@ def render_draft(decl: Declaration, plan: BuildPlan, registry: Registry, command
     return render_python(
         "draft_mtp.py.j2", f"{plan.model}/{plan.target}/draft.py", command, plan.fingerprint, f"Draft of {plan.target}.",
         plan=plan, draft=draft, summary=summary, generic=False, **_mtp_kind(spec),
-        stages=_stages_tree(decl, plan) if draft.kind == "draft_stages" else None,
+        stages=_stages_tree(decl, next(d for d in decl.drafts if d.name == draft.name), plan.target) if draft.kind == "draft_stages" else None,
         experts_imports=sorted((m, sorted(set(n))) for m, n in imports.items()),
         implementations=[(i, registry.impl(i).class_name, registry.impl(i).backend) for i in impls],
         cpu_impls=tuple(i for i in impls if registry.impl(i).cpu),
@@ -251,38 +251,55 @@ def _render_eagle3(decl: Declaration, plan: BuildPlan, command: str) -> str:
     )
 
 
+def _stages_families() -> tuple[str, ...]:
+    """The families whose embedded draft stages the runtime builds: MTP drafts as `model.layers.<i>` blocks (MTPDraft)."""
+    return tuple(name for name, s in FAMILIES.items() if s.mtp_draft and not s.mtp_tree)
+
+
+def stages_families() -> str:
+    """The families whose embedded draft stages the runtime builds, for messages."""
+    return " and ".join(_stages_families())
+
+
 def generic_draft(decl: Declaration):
-    """The MTP draft a model's generic build constructs (resolved at load), or None: the generic build of a
-    family whose MTP draft the runtime builds (`spec.mtp_draft`) builds its embedded or replacement-head MTP;
-    other kinds only as a target's."""
+    """The draft a model's generic build constructs (resolved at load), or None: the generic build of a family
+    whose MTP draft the runtime builds (`spec.mtp_draft`) builds its embedded or replacement-head MTP, or its
+    embedded draft stages where the runtime builds the family's stages (RULES DR7); other kinds only as a target's."""
     if not decl.family.mtp_draft:
         return None
     for draft in decl.drafts:
         count = draft.num_layers if draft.num_layers is not None else decl.family.num_draft_layers(decl.config)
         if draft.kind in ("embedded_mtp", "replacement_mtp") and count:
             return draft
+        if draft.kind == "draft_stages" and count and decl.family.name in _stages_families():
+            return draft
     return None
 
 
 def render_generic_draft(decl: Declaration, plan: BuildPlan, command: str) -> str:
-    """The generic build's MTP draft (resolved at load). Its text reads the model's name and the declared
-    draft's name, kind and first mode, and nothing else of the generic plan: its fingerprint is theirs (GN2)."""
+    """The generic build's draft (resolved at load), through the template and runtime class a target's draft of
+    that kind uses. Its text reads the model's name, the declared draft's name, kind and first mode and, for draft
+    stages, their module under `model.`, and nothing else of the generic plan: its fingerprint is theirs (GN2)."""
     from types import SimpleNamespace
 
     from codegen.plan import fingerprint
 
     declared = generic_draft(decl)
+    stages = _stages_tree(decl, declared, f"{plan.model}/generic") if declared.kind == "draft_stages" else None
     draft = SimpleNamespace(name=declared.name, kind=declared.kind, mode=declared.modes[0], layers=())
     inputs = {"model": plan.model, "draft": {"name": draft.name, "kind": draft.kind, "mode": draft.mode}}
+    if stages is not None:
+        inputs["draft"]["stages"] = stages
     summary = ["Serves what the generic modeling.py serves; its MoE layers resolve when it loads, under the draft's",
-               "own selection (RULES DR1, DR2, GN1)."]
+               f"own selection (RULES DR1, {'DR7' if stages else 'DR2'}, GN1)."]
     return render_python("draft_mtp.py.j2", f"{plan.model}/generic/draft.py", command, fingerprint(inputs),
                          f"Generic draft of {plan.model}.", plan=SimpleNamespace(model=plan.model), draft=draft,
-                         summary=summary, generic=True, stages=None, **_mtp_kind(decl.family))
+                         summary=summary, generic=True, stages=stages, **_mtp_kind(decl.family))
 
 
-def _stages_tree(decl: Declaration, plan: BuildPlan) -> str:
-    """The module under `model.` that holds the draft stages (RULES DR7), read from the declared experts prefix.
+def _stages_tree(decl: Declaration, declared, site: str) -> str:
+    """The module under `model.` that holds the draft stages `declared` (RULES DR7), read from their declared experts
+    prefix; `site` (a target, or `<model>/generic`) names the build in the refusal.
 
     What a draft stage is at run time (assumed; DeepSeek-V4-Flash's stages are not public): an MTP-like layer each,
     laid out and chained as DeepSeek-V3's MTP layers are (`enorm`, `hnorm`, `eh_proj`, the family's decoder layer,
@@ -290,11 +307,10 @@ def _stages_tree(decl: Declaration, plan: BuildPlan) -> str:
     experts in their own format (the declaration's quant metadata for that prefix)."""
     from codegen.errors import GenerationError
 
-    declared = next(d for d in decl.drafts if d.name == plan.draft.name)
     found = re.fullmatch(r"model\.([a-z][a-z0-9_]*)\.\{k\}\." + re.escape(decl.family.mlp_attr) + r"\.experts", declared.experts_prefix)
     if found is None or found.group(1) == "layers":
         raise GenerationError(
-            f"{plan.target}: draft stages {declared.name} have experts_prefix {declared.experts_prefix!r}; the runtime builds stages "
+            f"{site}: draft stages {declared.name} have experts_prefix {declared.experts_prefix!r}; the runtime builds stages "
             f"named 'model.<name>.{{k}}.{decl.family.mlp_attr}.experts' (one MTP-like layer each, <name> not 'layers')"[:400])
     return found.group(1)
 

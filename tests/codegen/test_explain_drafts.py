@@ -21,16 +21,32 @@ def test_a_target_generated_with_the_mode_names_its_draft_build(capsys):
 def test_a_target_generated_without_the_mode_and_the_generic_build_say_none_serves(capsys):
     assert _explain(capsys, "--model", "kimi_k3", "--sm", "100", "--parallel", "tp16_moetp16ep1", "--spec-mode", "draft_target") == [
         "  draft build: none (target kimi_k3_mxfp4__sm_100__tp16_moetp16ep1 was generated with no draft, not draft_target; "
-        "generic builds construct only the embedded or replacement-head MTP drafts of deepseek_v3, glm4_moe, nemotron_h and qwen3_next; "
-        "the external draft kimi_k3_drafter is declared)"]
+        "generic builds construct only the embedded or replacement-head MTP drafts of deepseek_v3, glm4_moe, nemotron_h and qwen3_next "
+        "and the draft stages of deepseek_v3 and glm4_moe; the external draft kimi_k3_drafter is declared)"]
     assert _explain(capsys, "--model", "kimi_k3", "--sm", "90", "--parallel", "tp16_moetp4ep4", "--spec-mode", "draft_target") == [
         "  draft build: none (generic builds construct only the embedded or replacement-head MTP drafts of deepseek_v3, glm4_moe, "
-        "nemotron_h and qwen3_next; the external draft kimi_k3_drafter is declared)"]
+        "nemotron_h and qwen3_next and the draft stages of deepseek_v3 and glm4_moe; the external draft kimi_k3_drafter is declared)"]
 
 
 def test_the_generic_build_names_its_mtp_draft(capsys):
     assert _explain(capsys, "--model", "deepseek_r1_nvfp4", "--sm", "90", "--parallel", "tp8", "--spec-mode", "mtp") == [
         "  draft build: generated/deepseek_r1_nvfp4/generic/draft.py (embedded_mtp deepseek_r1_mtp, resolved at load)"]
+
+
+def test_the_generic_build_names_its_draft_stages_and_narrates_their_own_format(capsys):
+    # RULES TG6, DR7 (scenario deepseek_v4_flash on sm_90: no target, the generic build constructs the stages).
+    assert main(["explain", "--model", "deepseek_v4_flash", "--sm", "90", "--parallel", "tp8", "--spec-mode", "dspark"]) == 0
+    out = capsys.readouterr().out
+    assert ("  draft build: generated/deepseek_v4_flash/generic/draft.py (draft_stages deepseek_v4_flash_stages, resolved at load)\n"
+            in out)
+    assert ("  draft layers 61-62: checkpoint mxfp4 (per-layer entry 'model.draft_stages.*.mlp.experts.*': W4A16_MXFP4), "
+            "runs w4a16_mxfp4 (MXFP4 checkpoint, sm_90 preference)\n") in out
+    assert "  routed layers 3-60: checkpoint nvfp4 (per-layer entry 'model.layers.*.mlp.experts.*': NVFP4)" in out
+    assert "holds no draft" not in out
+    # The same with a target that does not serve: the generic build that loads instead holds the stages.
+    lines = _explain(capsys, "--model", "tiny_deepseek_v4_flash", "--sm", "90", "--spec-mode", "dspark", "--backend", "VANILLA")
+    assert lines == ["  draft build: target tiny_deepseek_v4_flash_mixed__sm_90__tp1 does not serve (criteria above); "
+                     "generated/tiny_deepseek_v4_flash/generic/draft.py (draft_stages tiny_deepseek_v4_flash_stages, resolved at load)"]
 
 
 def test_a_target_without_the_mode_names_the_generic_draft_that_loads_instead(capsys):

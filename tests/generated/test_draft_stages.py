@@ -1,4 +1,9 @@
-"""Embedded draft stages (RULES DR7) as a runtime draft build: tiny_deepseek_v4_flash's generated `draft.py` loads its two stages from `model.draft_stages.<k>`, binds and reads their experts in their own MXFP4 format beside the target's BF16 ones, computes each stage as an MTP layer, and decodes speculatively to the target's own greedy tokens.
+"""Embedded draft stages (RULES DR7) as runtime draft builds: tiny_deepseek_v4_flash's generated `draft.py` files.
+
+The target's `draft.py` loads its two stages from `model.draft_stages.<k>`, binds and reads their experts in their
+own MXFP4 format beside the target's BF16 ones, computes each stage as an MTP layer, and decodes speculatively to the
+target's own greedy tokens; the generic build's `draft.py` resolves the same stages at load (their own format, DR7),
+computes what the target's draft computes, and decodes the same way.
 
 What a stage is at run time (assumed, codegen.modeling._stages_tree: DeepSeek-V4-Flash's stages are not public):
 an MTP-like layer each, laid out and chained like DeepSeek-V3's MTP layers, named `model.draft_stages.<k>`.
@@ -151,3 +156,107 @@ def test_stages_under_a_prefix_the_runtime_cannot_build_are_refused_and_nothing_
         "'model.stages.{k}.experts'; the runtime builds stages named 'model.<name>.{k}.mlp.experts' (one MTP-like layer "
         "each, <name> not 'layers')\n")
     assert not (tmp_path / "out").exists()
+
+
+# --- The generic build constructs the stages too (issue 13), resolved at load through the same MTPDraft -----------------
+
+GENERIC_DRAFT = f"generated.{MODEL}.generic.draft"
+
+
+def _generic_draft(**selection):
+    from registry.selection import Selection
+
+    return builds.load(GENERIC_DRAFT).DRAFT_CLASS(
+        checkpoint=f"{MODEL}_mixed", sm=90, selection=Selection(spec_mode="dspark", **selection), dtype=torch.float32)
+
+
+def test_the_generic_stages_resolve_against_their_own_mxfp4_format_at_load():
+    from registry.selection import Selection
+
+    # RULES DR7: under one backend request the stages bind the MXFP4 implementation, the target the BF16 one.
+    modeling = builds.load(f"generated.{MODEL}.generic.modeling")
+    target = modeling.MODEL_CLASS(checkpoint=f"{MODEL}_mixed", sm=90, selection=Selection(backend="VANILLA", spec_mode="dspark"),
+                                  device="meta")
+    draft = _generic_draft(draft_backend="VANILLA")
+    assert {type(layer.mlp.experts).__name__ for layer in target.model.layers if hasattr(layer.mlp, "experts")} == {"TorchEagerBf16Experts"}
+    assert draft.draft_layer_ids() == ((3, "torch.eager.loop.w4a16_mxfp4"), (4, "torch.eager.loop.w4a16_mxfp4"))
+    assert [type(b.mlp.experts).__name__ for b in draft.blocks] == ["TorchEagerW4a16Mxfp4Experts"] * 2
+    assert builds.load(GENERIC_DRAFT).STAGES == ("draft_stages", 3)
+    # The full-size declaration: MXFP4 stages beside NVFP4 target experts on sm_100, tp8 (structure only).
+    big = builds.load("generated.deepseek_v4_flash.generic.draft").DRAFT_CLASS(
+        checkpoint="deepseek_v4_flash_nvfp4", sm=100, parallel="tp8", selection=Selection(spec_mode="dspark"), device="meta")
+    assert big.draft_layer_ids() == ((61, "torch.grouped_mm.grouped_gemm.w4a16_mxfp4"), (62, "torch.grouped_mm.grouped_gemm.w4a16_mxfp4"))
+    assert sorted(big.model.draft_stages) == ["0", "1"]
+
+
+def test_the_generic_stages_load_from_their_prefix_and_compute_what_the_specialized_draft_does(case):
+    folder, tensors, target, draft, _ = case
+    generic = _generic_draft(draft_backend="TORCH")   # the specialized draft's own binding, resolved at load
+    assert generic.draft_layer_ids() == draft.draft_layer_ids()
+    report = generic.load_checkpoint(folder)
+    stages = {name for name in tensors if name.startswith("model.draft_stages.")}
+    assert report.tensors == len(stages) and set(report.ignored) == set(tensors) - stages
+    ids, next_ids = builds.token_ids(512, 2, 9), builds.token_ids(512, 2, 9)
+    with torch.no_grad():
+        hidden = target.hidden_states(ids)
+        for k in (0, 1):
+            ours, ours_hidden = generic(next_ids, hidden, step=k)
+            theirs, theirs_hidden = draft(next_ids, hidden, step=k)
+            assert torch.equal(ours, theirs) and torch.equal(ours_hidden, theirs_hidden), k
+
+
+@pytest.fixture(scope="module")
+def generic_speculative(case):
+    """load_model under mode dspark with the generic build (mode off), from the folder holding the stages (fp32)."""
+    from generated import load_model
+
+    return load_model(MODEL, 90, checkpoint=str(case[0]), checkpoint_name=f"{MODEL}_mixed", mode="off",
+                      moe_config={"backend": "TORCH"}, speculative_config={"mode": "dspark"}, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_speculative_greedy_with_the_generic_stages_is_the_target_greedy(generic_speculative, k):
+    from runtime import speculative
+
+    target = generic_speculative
+    assert (type(target).__module__, type(target.draft).__module__) == (f"generated.{MODEL}.generic.modeling", GENERIC_DRAFT)
+    prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=5)
+    out = target.generate(prompt, NEW, speculative=k)
+    assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
+    assert out.note is None and out.proposed == k * out.rounds
+    assert out.rounds >= math.ceil((NEW - 1) / (k + 1))
+
+
+def test_the_generic_stages_refuse_another_mode():
+    from generated import load_model
+    from registry.errors import SelectionError
+    from registry.selection import Selection
+
+    with pytest.raises(SelectionError) as info:
+        load_model(MODEL, 90, checkpoint_name=f"{MODEL}_mixed", mode="off", moe_config={"backend": "TORCH"},
+                   speculative_config={"mode": "mtp"})
+    assert str(info.value) == f"{MODEL} has no draft for speculative_config.mode 'mtp'; its drafts serve: dspark"
+    with pytest.raises(ValueError) as info:
+        builds.load(GENERIC_DRAFT).DRAFT_CLASS(checkpoint=f"{MODEL}_mixed", sm=90, selection=Selection(backend="TORCH"))
+    assert str(info.value) == f"{MODEL}/generic draft serves speculative_config.mode 'dspark'; pass a selection with that mode"
+
+
+@pytest.mark.parametrize("missing, message", [
+    ("model.draft_stages.1.mlp.experts.3.down_proj.weight_scale",
+     "model.draft_stages.1.mlp.experts.3.down_proj.weight_scale: missing from the checkpoint (expected shape (128, 4) uint8)"),
+    ("model.draft_stages.0.eh_proj.weight", "missing tensor model.draft_stages.0.eh_proj.weight: the build expects shape (128, 256) float32"),
+])
+def test_a_checkpoint_missing_a_stage_tensor_is_refused(case, missing, message):
+    import json
+
+    from generated import load_model
+    from runtime.checkpoint.errors import CheckpointError
+
+    folder, tensors, *_ = case
+    assert missing in tensors
+    broken = builds.write_checkpoint(builds.tmp_folder(f"{MODEL}-without-{missing}"), {n: t for n, t in tensors.items() if n != missing},
+                                     json.loads((folder / "config.json").read_text()))
+    with pytest.raises(CheckpointError) as info:
+        load_model(MODEL, 90, checkpoint=str(broken), checkpoint_name=f"{MODEL}_mixed", mode="off",
+                   moe_config={"backend": "TORCH"}, speculative_config={"mode": "dspark"}, dtype=torch.float32)
+    assert str(info.value) == message

@@ -33,7 +33,7 @@ IMPLEMENTATIONS = {
 }
 # Bound implementations that also run on the host CPU (the draft runs there when all of them do).
 CPU_IMPLS = ('torch.grouped_mm.grouped_gemm.w4a16_mxfp4',)
-# The stages' module under `model.` and the index of stage 0 in DRAFT_LAYERS (stage k is `model.draft_stages.<k>`).
+# The stages' module under `model.` and the index of stage 0 among the draft's layers (stage k is `model.draft_stages.<k>`).
 STAGES = ('draft_stages', NUM_TARGET_LAYERS)
 # The target's tensors, which modeling.py loads (each MTP block reads its own embedding and head copies).
 IGNORED_TENSORS = ("model.embed_tokens.*", "model.norm.*", "lm_head.*") + tuple(f"model.layers.{i}.*" for i in range(NUM_TARGET_LAYERS))
