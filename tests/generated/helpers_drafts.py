@@ -45,8 +45,9 @@ def vanilla_speculative_target(model: str, folder, checkpoint_name: str, mode: s
                          speculative_config={"mode": mode}, dtype=torch.float32, mode="require").eval()
 
 
-def assert_speculative_greedy_is_the_target_greedy(target, k: int, new_tokens: int) -> None:
-    """Greedy speculative decoding with k draft tokens a round emits exactly the target's own greedy tokens."""
+def assert_speculative_greedy_is_the_target_greedy(target, k: int, new_tokens: int):
+    """Greedy speculative decoding with k draft tokens a round emits exactly the target's own greedy tokens;
+    returns the run's Generation."""
     from runtime import speculative
 
     prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=5)
@@ -55,3 +56,4 @@ def assert_speculative_greedy_is_the_target_greedy(target, k: int, new_tokens: i
     assert out.note is None and out.proposed == k * out.rounds
     # the prefill's token, then a + 1 a round; the last round may pass new_tokens by up to k
     assert 1 + out.rounds + out.accepted >= new_tokens > out.rounds + out.accepted - k
+    return out

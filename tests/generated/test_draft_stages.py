@@ -23,14 +23,14 @@ import pytest
 import torch
 
 from tests.generated import builds
+from tests.generated import helpers_drafts as drafts
 
 MODEL = "tiny_deepseek_v4_flash"
 NEW = 32
 
 
 def _modules():
-    target = next(t for t in builds.specialized(MODEL) if t["spec_mode"] == "dspark")
-    return builds.load("generated" + target["module"]), builds.load("generated" + target["module"].replace(".modeling", ".draft"))
+    return drafts.build_modules(MODEL, "dspark")
 
 
 def stages_checkpoint(seed: int = 0):
@@ -46,10 +46,7 @@ def stages_checkpoint(seed: int = 0):
 @pytest.fixture(scope="module")
 def case():
     folder = stages_checkpoint()
-    modeling, draft_module = _modules()
-    target, draft = modeling.MODEL_CLASS(dtype=torch.float32), draft_module.DRAFT_CLASS(dtype=torch.float32)
-    reports = target.load_checkpoint(folder), draft.load_checkpoint(folder)
-    return folder, builds.read_tensors(folder), target.eval(), draft.eval(), reports
+    return (folder, builds.read_tensors(folder), *drafts.target_and_draft(MODEL, folder, "dspark"))
 
 
 def test_the_stages_bind_their_own_mxfp4_format_and_the_target_its_bf16_one():
@@ -128,14 +125,9 @@ def speculative_target(case):
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_speculative_greedy_with_the_draft_stages_is_the_target_greedy(speculative_target, k):
-    from runtime import speculative
-
     target = speculative_target
     assert type(target.draft).__module__ == _modules()[1].__name__
-    prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=5)
-    out = target.generate(prompt, NEW, speculative=k)
-    assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
-    assert out.note is None and out.proposed == k * out.rounds
+    out = drafts.assert_speculative_greedy_is_the_target_greedy(target, k, NEW)
     assert out.rounds >= math.ceil((NEW - 1) / (k + 1))
 
 
@@ -216,14 +208,9 @@ def generic_speculative(case):
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_speculative_greedy_with_the_generic_stages_is_the_target_greedy(generic_speculative, k):
-    from runtime import speculative
-
     target = generic_speculative
     assert (type(target).__module__, type(target.draft).__module__) == (f"generated.{MODEL}.generic.modeling", GENERIC_DRAFT)
-    prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=5)
-    out = target.generate(prompt, NEW, speculative=k)
-    assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
-    assert out.note is None and out.proposed == k * out.rounds
+    out = drafts.assert_speculative_greedy_is_the_target_greedy(target, k, NEW)
     assert out.rounds >= math.ceil((NEW - 1) / (k + 1))
 
 
