@@ -24,6 +24,7 @@ from runtime.parallel import Layout, attach_layout
 
 log = logging.getLogger("moegen")
 
+
 class DraftBuild(nn.Module):
     """A draft of `target` on `device` as rank `rank` of `layout`: refuses a device or a rank it does not
     run on (named `<target> draft` in messages); with `parallel`, joins the layout's process groups as its
