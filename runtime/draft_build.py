@@ -10,6 +10,7 @@ tree under `mtp.`, Qwen3-Next's and Nemotron-H's), `Eagle3Draft` (an Eagle3 head
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -20,6 +21,8 @@ from runtime.causal_lm import Architecture
 from runtime.checkpoint import load_checkpoint
 from runtime.ops import Eagle3Head, LMHead, MTPBlock, RotaryEmbedding, VocabEmbedding
 from runtime.parallel import Layout, attach_layout
+
+log = logging.getLogger("moegen")
 
 
 class DraftBuild(nn.Module):
@@ -128,9 +131,9 @@ def _mtp_layer(arch: Architecture, rms_norm_eps, index, experts_cls, layout, ran
 class PredictorMTPDraft(DraftBuild):
     """An MTP predictor kept as its own tree under `mtp.` (Qwen3-Next, Nemotron-H: `runtime.ops.FcMTPPredictor`,
     `PatternMTPPredictor`), built by the target file's `make_mtp(experts classes, layout, rank, dtype)`. These
-    checkpoints store no embedding or head copy for the MTP: the draft reads its own copies of the target's
-    `<backbone>.<embedding>` and `lm_head` from the same folder (as vLLM's Qwen3NextMTP and NemotronHMTP load
-    them), so its tensor names are the checkpoint's and it shares nothing with the target build in memory.
+    checkpoints store no embedding or head copy for the MTP: loaded alone, the draft reads its own copies of the
+    target's `<backbone>.<embedding>` and `lm_head` from the same folder (its tensor names are the checkpoint's);
+    `load_model` makes it use the target's own modules instead (`share_with`), as vLLM's Qwen3NextMTP and NemotronHMTP do.
 
     `forward(next_token_ids [B, S], target_hidden [B, S, H], positions [S], cache, step=0) -> (logits, hidden)`,
     `target_hidden` the target's final-norm hidden states, `hidden` the predictor's final-norm output (what the
@@ -155,7 +158,30 @@ class PredictorMTPDraft(DraftBuild):
                                   dtype=dtype)
             self.rotary_emb = arch.make_rotary()
         self._embedding = (backbone, embedding)
+        # Unregistered alias `forward` embeds with: the checkpoint-named module above, or the target's (`share_with`).
+        self.__dict__["embed_tokens"] = getattr(getattr(self, backbone), embedding)
         build.log_implementations(implementations)
+
+    def share_with(self, target) -> bool:
+        """Embed and score with `target`'s own `embed_tokens` and `lm_head` modules instead of this draft's copies.
+
+        Why: these checkpoints keep one embedding and one head, which the MTP reads as the target does; two copies
+        cost their bytes twice (about 1.2 GB for Qwen3-Next in bf16) and a second read at load. Call before loading:
+        the copies are dropped and their checkpoint names ignored, so `load_checkpoint`/`init_random` neither read nor
+        touch them (the target loads them). Where a copy would differ in shape, dtype, device or tensor-parallel shard,
+        the draft keeps its copies and logs why. Returns whether it shares them."""
+        backbone, embedding = self._embedding
+        pairs = ((f"{backbone}.{embedding}", self.embed_tokens, target.model.embed_tokens), ("lm_head", self.lm_head, target.lm_head))
+        for name, own, theirs in pairs:
+            why = _unshareable(own, theirs)
+            if why is not None:
+                log.info("the MTP draft keeps its own copies of the embedding and lm_head: the target's %s %s", name, why)
+                return False
+        delattr(self, backbone)   # it held only the embedding
+        del self.lm_head
+        self.__dict__.update(embed_tokens=target.model.embed_tokens, lm_head=target.lm_head)
+        self.ignored_tensors += tuple(f"{name}.weight" for name, _, _ in pairs)
+        return True
 
     def draft_layer_ids(self):
         """(checkpoint layer index, bound implementation id) of each draft MoE layer this draft built."""
@@ -168,14 +194,25 @@ class PredictorMTPDraft(DraftBuild):
         positions = _positions(next_token_ids, positions)
         cos, sin = self.rotary_emb(positions)
         # `cache` is this step's entry of `new_caches()` (runtime.speculative passes `caches[step % len]`).
-        backbone, embedding = self._embedding
-        embeds = getattr(getattr(self, backbone), embedding)(next_token_ids)
-        hidden = self.mtp(embeds, target_hidden, step, positions, cos, sin, cache)
+        hidden = self.mtp(self.embed_tokens(next_token_ids), target_hidden, step, positions, cos, sin, cache)
         return self.lm_head(hidden), hidden
 
     def to_target_ids(self, ids):
         """The MTP scores the target's own vocabulary."""
         return ids
+
+
+def _unshareable(own: nn.Module, theirs: nn.Module) -> str | None:
+    """Why `theirs` cannot stand in for `own` (None when it can): another kind of module, or another weight."""
+    if type(own) is not type(theirs):
+        return f"is a {type(theirs).__name__}, not a {type(own).__name__}"
+    a, b = own.weight, theirs.weight
+    for what in ("shape", "dtype", "device"):
+        if getattr(a, what) != getattr(b, what):
+            return f"has {what} {getattr(b, what)}, the draft's {getattr(a, what)}"
+    if getattr(a, "shard", None) != getattr(b, "shard", None):
+        return f"is tensor-parallel shard {getattr(b, 'shard', None)}, the draft's {getattr(a, 'shard', None)}"
+    return None
 
 
 class Eagle3Draft(DraftBuild):

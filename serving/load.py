@@ -166,12 +166,12 @@ class Builds:
         if selection.spec_mode is not None:
             from runtime.speculative import attach_draft
 
-            attach_draft(built, *self._load_draft(model, name, sm, parallel, chosen, selection, checkpoint, draft_checkpoint,
+            attach_draft(built, *self._load_draft(built, model, name, sm, parallel, chosen, selection, checkpoint, draft_checkpoint,
                                                   device, rank, seed, extra))
         return built
 
-    def _load_draft(self, model, name, sm, parallel, chosen, selection, checkpoint, draft_checkpoint, device, rank, seed, extra):
-        """(the draft build the speculative mode needs, None) or (None, why the build decodes without one):
+    def _load_draft(self, target, model, name, sm, parallel, chosen, selection, checkpoint, draft_checkpoint, device, rank, seed, extra):
+        """(the draft build of `target` the speculative mode needs, None) or (None, why the build decodes without one):
         an embedded MTP draft or draft stages read the target's checkpoint folder, every other kind `draft_checkpoint` (RULES SD3)."""
         from registry.model import EMBEDDED_DRAFT_KINDS, NON_NEURAL_MODES
 
@@ -199,6 +199,14 @@ class Builds:
                 raise SelectionError(f"the {kind} draft of {model} keeps its weights in a folder of its own: "
                                      "pass draft_checkpoint=DIR to load_model")
             own = checkpoint
+        if hasattr(draft, "share_with"):
+            # An MTP predictor reads the target's embedding and head: the target's own modules when both come
+            # from one folder (or are both random), else its own copies.
+            same = own == checkpoint if None in (own, checkpoint) else Path(own).resolve() == Path(checkpoint).resolve()
+            if same:
+                draft.share_with(target)
+            else:
+                log.info("the MTP draft reads %s, not the target's folder: it keeps its own embedding and lm_head", own)
         if own is not None:
             draft.load_checkpoint(own)
         elif str(device) != "meta":  # on meta a build is its structure only

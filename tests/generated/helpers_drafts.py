@@ -57,3 +57,63 @@ def assert_speculative_greedy_is_the_target_greedy(target, k: int, new_tokens: i
     # the prefill's token, then a + 1 a round; the last round may pass new_tokens by up to k
     assert 1 + out.rounds + out.accepted >= new_tokens > out.rounds + out.accepted - k
     return out
+
+
+def held_bytes(target, draft) -> int:
+    """The bytes of every distinct storage target and draft compute with: their parameters and buffers, and the
+    embedding and head the draft's forward calls (outside its module tree when it shares the target's)."""
+    tensors = [*target.parameters(), *target.buffers(), *draft.parameters(), *draft.buffers(),
+               draft.embed_tokens.weight, draft.lm_head.weight]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def assert_the_mtp_draft_shares_the_target_embedding_and_head(model: str, folder, checkpoint_name: str, embedding: str) -> None:
+    """load_model's MTP draft embeds and scores with the target's own tensors (one storage each), computes the
+    logits of a draft loaded on its own from the same folder, and target + draft hold exactly the embedding's and
+    head's bytes less; a draft sharing them reads only its own `mtp.*` tensors from the folder."""
+    from generated import load_model
+
+    target = load_model(model, 90, checkpoint=str(folder), checkpoint_name=checkpoint_name,
+                        speculative_config={"mode": "mtp"}, dtype=torch.float32, mode="require").eval()
+    draft = target.draft
+    alone_target, alone_draft, _ = target_and_draft(model, folder)
+    for name, mine, theirs in (("embed", draft.embed_tokens, target.model.embed_tokens), ("head", draft.lm_head, target.lm_head)):
+        assert mine is theirs, name
+        assert mine.weight.untyped_storage().data_ptr() == theirs.weight.untyped_storage().data_ptr()
+    # The separately loaded draft holds copies of its own (the standalone path keeps working).
+    assert alone_draft.embed_tokens.weight.data_ptr() != alone_target.model.embed_tokens.weight.data_ptr()
+    ids, next_ids = builds.token_ids(512, 2, 9), builds.token_ids(512, 2, 9)
+    with torch.no_grad():
+        hidden = target.hidden_states(ids)
+        shared, alone = draft(next_ids, hidden), alone_draft(next_ids, hidden)
+    assert torch.equal(shared[0], alone[0]) and torch.equal(shared[1], alone[1])
+    copies = alone_draft.embed_tokens.weight.nbytes + alone_draft.lm_head.weight.nbytes
+    assert held_bytes(alone_target, alone_draft) - held_bytes(target, draft) == copies
+    # Not read twice: a sharing draft's load reads the `mtp.*` tensors only and leaves the target's as they were.
+    tensors = builds.read_tensors(folder)
+    fresh = build_modules(model)[1].DRAFT_CLASS(dtype=torch.float32)
+    before = alone_target.lm_head.weight.clone()
+    assert fresh.share_with(alone_target)
+    report = fresh.load_checkpoint(folder)
+    mtp = {name for name in tensors if name.startswith("mtp.")}
+    assert report.tensors == len(mtp) and set(report.ignored) == set(tensors) - mtp
+    assert {embedding, "lm_head.weight"} <= set(report.ignored)
+    assert torch.equal(alone_target.lm_head.weight, before) and fresh.lm_head is alone_target.lm_head
+
+
+def assert_a_draft_of_another_dtype_keeps_its_copies(model: str, folder, caplog, embedding: str) -> None:
+    """Where the target's tensors cannot serve the draft (here its dtype), the draft keeps its copies, says why, and
+    still loads them from the folder."""
+    import logging
+
+    target, _, _ = target_and_draft(model, folder)
+    draft = build_modules(model)[1].DRAFT_CLASS(dtype=torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="moegen"):
+        assert not draft.share_with(target)
+    name = embedding.removesuffix(".weight")
+    assert ("the MTP draft keeps its own copies of the embedding and lm_head: the target's "
+            f"{name} has dtype torch.float32, the draft's torch.bfloat16") in caplog.messages
+    assert draft.embed_tokens is not target.model.embed_tokens and draft.lm_head is not target.lm_head
+    draft.load_checkpoint(folder)
+    assert torch.equal(draft.embed_tokens.weight, target.model.embed_tokens.weight.bfloat16())

@@ -174,3 +174,11 @@ def test_a_nonzero_correction_bias_changes_routing_and_the_build_still_computes_
     assert (picked[0] != picked[1]).any(-1).float().mean() >= 0.5   # the bias moves most tokens' choice
     assert builds.rel_err(out, expected) <= 1e-5
     assert ((out - expected).abs().amax(-1) / expected.abs().max()).max() < 2e-5
+
+
+def test_load_model_gives_the_mtp_draft_the_target_embedding_and_head(case):
+    drafts.assert_the_mtp_draft_shares_the_target_embedding_and_head(MODEL, case[0], f"{MODEL}_bf16", "backbone.embeddings.weight")
+
+
+def test_a_draft_the_target_tensors_cannot_serve_keeps_its_copies_and_says_why(case, caplog):
+    drafts.assert_a_draft_of_another_dtype_keeps_its_copies(MODEL, case[0], caplog, "backbone.embeddings.weight")

@@ -132,3 +132,11 @@ def speculative_target(case):
 def test_mtp_speculative_greedy_is_the_target_greedy(speculative_target, k):
     assert type(speculative_target.draft).__module__ == drafts.build_modules(MODEL)[1].__name__
     drafts.assert_speculative_greedy_is_the_target_greedy(speculative_target, k, NEW)
+
+
+def test_load_model_gives_the_mtp_draft_the_target_embedding_and_head(case):
+    drafts.assert_the_mtp_draft_shares_the_target_embedding_and_head(MODEL, case[0], f"{MODEL}_bf16", "model.embed_tokens.weight")
+
+
+def test_a_draft_the_target_tensors_cannot_serve_keeps_its_copies_and_says_why(case, caplog):
+    drafts.assert_a_draft_of_another_dtype_keeps_its_copies(MODEL, case[0], caplog, "model.embed_tokens.weight")

@@ -24,7 +24,8 @@ from .modeling import ARCHITECTURE, NUM_TARGET_LAYERS, TARGET, make_mtp
 
 DRAFT = 'tiny_nemotron_h_mtp'
 MODE = 'mtp'
-# The target's layers and final norm, which modeling.py loads (the draft reads its own copies of the embedding and head).
+# The target's layers and final norm, which modeling.py loads (loaded alone, the draft reads its own copies of the
+# embedding and head; load_model makes it share the target's: PredictorMTPDraft.share_with).
 IGNORED_TENSORS = ("backbone.layers.*", "backbone.norm_f.*")
 
 

@@ -30,7 +30,8 @@ IMPLEMENTATIONS = {
 }
 # Bound implementations that also run on the host CPU (the draft runs there when all of them do).
 CPU_IMPLS = ('torch.grouped_mm.grouped_gemm.bf16',)
-# The target's layers and final norm, which modeling.py loads (the draft reads its own copies of the embedding and head).
+# The target's layers and final norm, which modeling.py loads (loaded alone, the draft reads its own copies of the
+# embedding and head; load_model makes it share the target's: PredictorMTPDraft.share_with).
 IGNORED_TENSORS = ("backbone.layers.*", "backbone.norm_f.*")
 
 
