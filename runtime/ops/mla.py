@@ -5,8 +5,8 @@ rotated key part shared by all heads (`qk_rope_head_dim`); the cache stores exac
 the point of MLA. Queries come either straight from the hidden state (`q_lora_rank=None`, V2-Lite style)
 or through their own low-rank bottleneck. Without a cache (prefill of a whole sequence) the latents are
 expanded through `kv_b_proj` into per-head keys and values (also when a prompt is written into the
-cache); a one-token decode step runs in the absorbed form, in the latent space (`_absorbed`), reading the
-cache as it is stored instead of expanding all of it.
+cache); a cached step of a few tokens (a decode step, a speculative verify) runs in the absorbed form, in the
+latent space (`_absorbed`), reading the cache as it is stored instead of expanding all of it.
 
 Tensor parallelism splits the heads: `q_proj`/`q_b_proj` and `kv_b_proj` by output columns, `o_proj` by
 input rows. `q_a_proj`, `kv_a_proj_with_mqa` and the two latent norms are small and replicated.
@@ -21,6 +21,13 @@ from runtime.ops.kv_cache import StaticCache
 from runtime.ops.linear import ColumnParallelLinear, RowParallelLinear, split
 from runtime.ops.norms import RMSNorm
 from runtime.ops.rotary import apply_rotary
+
+
+# Cached steps of up to this many tokens (a decode step, a speculative verify of k + 1 <= 8 tokens) attend in
+# the absorbed form. Expanded, each would run `kv_b_proj` over the whole cache (B x L x heads x 256 values a
+# layer: 2.3 GB at deepseek_v3's 128 heads, B = 32, L = 1088); absorbed, the scores the math path holds are
+# B x S x heads x L fp32, small for these S and growing with S, so longer prompts are expanded.
+ABSORBED_MAX_TOKENS = 8
 
 
 class MLAttention(nn.Module):
@@ -115,7 +122,7 @@ class MLAttention(nn.Module):
         q_rot = apply_rotary(q_rot, cos, sin, self.interleaved_rope)
         k_rot = apply_rotary(k_rot.view(batch, seq, 1, self.qk_rope_head_dim), cos, sin, self.interleaved_rope)
 
-        if cache is not None and seq == 1:
+        if cache is not None and seq <= ABSORBED_MAX_TOKENS:
             return self.o_proj(self._absorbed(q_nope, q_rot, latent, k_rot, positions, cache).reshape(batch, seq, -1))
         if cache is None:
             k_positions = positions

@@ -15,7 +15,7 @@ import torch
 
 from tests.runtime.helpers_oracle import randomise_and_copy
 from runtime.ops.gqa import GQAttention, kv_head_shard
-from runtime.ops.mla import MLAttention
+from runtime.ops.mla import ABSORBED_MAX_TOKENS, MLAttention
 from runtime.ops.rotary import RotaryEmbedding, mla_softmax_scale
 
 B, S = 2, 10
@@ -55,14 +55,14 @@ def _compare(ours, theirs, ref_rope, our_rope, config, dtype, seed, sliding=Fals
 
 
 @torch.no_grad()
-def _check_cache(ours, our_rope, x, full, prefill=S - 3):
-    """Prefill `prefill` positions, then decode the rest one token at a time through a static cache."""
+def _check_cache(ours, our_rope, x, full, prefill=S - 3, step=1):
+    """Prefill `prefill` positions, then decode the rest `step` tokens at a time through a static cache."""
     cache = ours.new_cache(batch_size=B, max_seq_len=S + 6, dtype=x.dtype)
     positions = torch.arange(S)
     outs = [ours(x[:, :prefill], positions[:prefill], *our_rope(positions[:prefill]), cache)]
-    for t in range(prefill, S):
-        p = positions[t : t + 1]
-        outs.append(ours(x[:, t : t + 1], p, *our_rope(p), cache))
+    for t in range(prefill, S, step):
+        p = positions[t : t + step]
+        outs.append(ours(x[:, t : t + step], p, *our_rope(p), cache))
     torch.testing.assert_close(torch.cat(outs, dim=1), full, rtol=0, atol=1e-5)
 
 
@@ -174,6 +174,11 @@ def test_mla_matches_deepseek_v3(dtype, q_lora_rank):
     x, out = _compare(ours, theirs, m.DeepseekV3RotaryEmbedding(config), our_rope, config, dtype, 11)
     if dtype == torch.float32:
         _check_cache(ours, our_rope, x, out)
+        # a prompt longer than ABSORBED_MAX_TOKENS is expanded into the cache (the default call's 7 are not)
+        assert S - 1 > ABSORBED_MAX_TOKENS
+        _check_cache(ours, our_rope, x, out, prefill=S - 1)
+        # verify-sized blocks of 4 tokens attend in the absorbed form
+        _check_cache(ours, our_rope, x, out, prefill=2, step=4)
 
 
 def test_mla_cache_holds_only_the_latent_and_the_shared_rotated_key():
