@@ -62,7 +62,27 @@ def _positions(next_token_ids, positions):
     return torch.arange(next_token_ids.shape[-1], device=next_token_ids.device) if positions is None else positions
 
 
-class MTPDraft(DraftBuild):
+class _TargetHeadDraft(DraftBuild):
+    """What both MTP kinds share: they read the target's final-norm hidden states, score the target's own
+    vocabulary, and build MoE layers `layers` ((checkpoint layer index, bound implementation id) each)."""
+
+    # What the speculative loop feeds `forward` (the draft interface every draft build presents).
+    INPUT = "hidden"
+
+    def __init__(self, *, layers, layout: Layout, **scaffold):
+        super().__init__(layout=layout, **scaffold)
+        self.layout, self._layers = layout, tuple(layers)
+
+    def draft_layer_ids(self):
+        """(checkpoint layer index, bound implementation id) of each MoE layer this draft built."""
+        return self._layers
+
+    def to_target_ids(self, ids):
+        """An MTP scores the target's own vocabulary."""
+        return ids
+
+
+class MTPDraft(_TargetHeadDraft):
     """MTP layers (embedded in the target's checkpoint, or a replacement head), each named as the
     checkpoint's `model.layers.<index>` (embedded draft stages: `model.<tree>.<k>`, `stages`): `x = eh_proj(cat([enorm(embed(token[t+1])), hnorm(h[t])]))`, the
     target family's decoder layer (`arch.make_layer`), `shared_head` for the logits, its own embedding copy.
@@ -72,14 +92,11 @@ class MTPDraft(DraftBuild):
     as the reference engines pass it. `layers`: (checkpoint layer index, bound implementation id) per MTP layer.
     """
 
-    # What the speculative loop feeds `forward` (the draft interface every draft build presents).
-    INPUT = "hidden"
-
     def __init__(self, arch: Architecture, rms_norm_eps: float, *, layers, layout: Layout, implementations: dict,
                  rank: int = 0, dtype: torch.dtype = torch.bfloat16, device="cpu", stages: tuple[str, int] | None = None,
                  **scaffold):
-        super().__init__(layout=layout, implementations=implementations, device=device, rank=rank, dtype=dtype, **scaffold)
-        self.layout, self._layers = layout, tuple(layers)
+        super().__init__(layers=layers, layout=layout, implementations=implementations, device=device, rank=rank,
+                         dtype=dtype, **scaffold)
         # Embedded draft stages (RULES DR7), `stages = (tree, first index)`: the same MTP-like layers, chained the
         # same way, named `model.<tree>.<k>` with k = index - first index (DeepSeek-V4-Flash's `model.draft_stages.<k>`).
         tree, first = stages if stages is not None else ("layers", 0)
@@ -91,10 +108,6 @@ class MTPDraft(DraftBuild):
             self.rotary_emb = arch.make_rotary()
         self.blocks = tuple(getattr(self.model, tree)[str(i - first)] for i, _ in layers)
         build.log_implementations(implementations)
-
-    def draft_layer_ids(self):
-        """(checkpoint layer index, bound implementation id) of each MTP layer this draft built."""
-        return self._layers
 
     def new_caches(self, batch_size, max_seq_len):
         return [
@@ -111,10 +124,6 @@ class MTPDraft(DraftBuild):
         hidden = block(block.embed_tokens(next_token_ids), target_hidden, positions, cos, sin, cache)
         return block.shared_head(hidden), hidden
 
-    def to_target_ids(self, ids):
-        """The MTP head scores the target's own vocabulary."""
-        return ids
-
 
 def _mtp_layer(arch: Architecture, rms_norm_eps, index, experts_cls, layout, rank, dtype):
     """One MTP block named as the checkpoint's `model.layers.<index>`, with its own embedding copy."""
@@ -128,7 +137,7 @@ def _mtp_layer(arch: Architecture, rms_norm_eps, index, experts_cls, layout, ran
     return block
 
 
-class PredictorMTPDraft(DraftBuild):
+class PredictorMTPDraft(_TargetHeadDraft):
     """An MTP predictor kept as its own tree under `mtp.` (Qwen3-Next, Nemotron-H: `runtime.ops.FcMTPPredictor`,
     `PatternMTPPredictor`), built by the target file's `make_mtp(experts classes, layout, rank, dtype)`. These
     checkpoints store no embedding or head copy for the MTP: loaded alone, the draft reads its own copies of the
@@ -140,13 +149,10 @@ class PredictorMTPDraft(DraftBuild):
     next step reads). `layers`: (checkpoint layer index, bound implementation id) per draft MoE layer.
     """
 
-    # What the speculative loop feeds `forward` (the draft interface every draft build presents).
-    INPUT = "hidden"
-
     def __init__(self, arch: Architecture, make_mtp, *, layers, layout: Layout, implementations: dict, rank: int = 0,
                  dtype: torch.dtype = torch.bfloat16, device="cpu", **scaffold):
-        super().__init__(layout=layout, implementations=implementations, device=device, rank=rank, dtype=dtype, **scaffold)
-        self.layout, self._layers = layout, tuple(layers)
+        super().__init__(layers=layers, layout=layout, implementations=implementations, device=device, rank=rank,
+                         dtype=dtype, **scaffold)
         backbone, embedding, _ = arch.names
         tp_rank = layout.tp_rank(rank)
         with torch.device(device):
@@ -183,10 +189,6 @@ class PredictorMTPDraft(DraftBuild):
         self.ignored_tensors += tuple(f"{name}.weight" for name, _, _ in pairs)
         return True
 
-    def draft_layer_ids(self):
-        """(checkpoint layer index, bound implementation id) of each draft MoE layer this draft built."""
-        return self._layers
-
     def new_caches(self, batch_size, max_seq_len):
         return self.mtp.new_caches(batch_size=batch_size, max_seq_len=max_seq_len, dtype=self.dtype, device=self.device)
 
@@ -196,10 +198,6 @@ class PredictorMTPDraft(DraftBuild):
         # `cache` is this step's entry of `new_caches()` (runtime.speculative passes `caches[step % len]`).
         hidden = self.mtp(self.embed_tokens(next_token_ids), target_hidden, step, positions, cos, sin, cache)
         return self.lm_head(hidden), hidden
-
-    def to_target_ids(self, ids):
-        """The MTP scores the target's own vocabulary."""
-        return ids
 
 
 def _unshareable(own: nn.Module, theirs: nn.Module) -> str | None:

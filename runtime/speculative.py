@@ -94,11 +94,11 @@ class SpeculativeDecoder:
         self.to_target = getattr(draft, "to_target_ids", None)
         device = target.device
         self.batch_size, self.max_seq_len = batch_size, max_seq_len
-        self.target_caches = target.new_caches(batch_size, max_seq_len)
         self.draft_caches = draft.new_caches(batch_size, max_seq_len)
         if any(hasattr(cache, "keep_states") for cache in leaves(self.draft_caches[1:])):
             raise ValueError(f"{type(draft).__name__}'s caches of draft steps after the first are recurrent: only a "
                              "draft's first cache (its catch-up block's) rolls back; let every draft step share that one")
+        self.target_caches = target.new_caches(batch_size, max_seq_len)   # after the refusal: the larger allocation
         # Recurrent layers keep the state after each token of a k + 1 block: the verify and catch-up blocks.
         keep_states(self.target_caches, k + 1)
         keep_states(self.draft_caches, k + 1)

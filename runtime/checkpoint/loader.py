@@ -53,7 +53,7 @@ class _Target:
     tensor: torch.Tensor
     ckpt_name: str = ""
     shard: tuple[int, int, int] | None = None     # (dim, start, stop) in the checkpoint tensor
-    pieces: tuple[tuple[int, int], ...] = ()       # a segmented shard: its (start, stop) ranges along shard[0]
+    pieces: tuple[tuple[int, int], ...] = ()       # a shard's (start, stop) ranges along shard[0] (several: segmented)
     full_shape: tuple[int, ...] = ()
     quant: quantized_weights.QuantizedWeight | None = None
     nbytes: int = 0
@@ -219,16 +219,14 @@ def _plan_target(reader: CheckpointReader, t: _Target, block) -> list[str]:
     want = tuple(t.tensor.shape)
     shard = getattr(t.tensor, "shard", None)
     full = list(want)
-    if shard is not None and len(shard) == 4:
-        dim, rank, size, segments = shard
+    if shard is not None:
+        # A plain shard is the one-segment case: chunk `rank` of the whole checkpoint dim.
+        dim, rank, size = shard[:3]
+        segments = shard[3] if len(shard) == 4 else (want[dim] * size,)
         full[dim] = sum(segments)
         offsets = [sum(segments[:i]) for i in range(len(segments))]
-        t.pieces = tuple((o + rank * n // size, o + (rank + 1) * n // size) for o, n in zip(offsets, segments))
-        t.shard = (dim, *t.pieces[0])
-    elif shard is not None:
-        dim, rank, size = shard
-        full[dim] = want[dim] * size
-        t.shard = (dim, rank * want[dim], (rank + 1) * want[dim])
+        pieces = tuple((o + rank * n // size, o + (rank + 1) * n // size) for o, n in zip(offsets, segments))
+        t.shard, t.pieces = (dim, *pieces[0]), pieces
     t.full_shape = tuple(full)
     shard_note = f" (shard {shard[1]} of {shard[2]} along dim {shard[0]})" if shard is not None else ""
     if not present:
@@ -244,7 +242,7 @@ def _plan_target(reader: CheckpointReader, t: _Target, block) -> list[str]:
         if quant is None:
             return [f"{t.ckpt_name}: expected dtype {_dt(t.tensor.dtype)}, found {_dt(info.dtype or info.dtype_code)}"]
         t.quant = quant
-        if t.pieces:
+        if len(t.pieces) > 1:
             return [f"{t.ckpt_name}: a quantized ({quant.scheme}) tensor is read whole or in one chunk per rank, not in the "
                     f"segments of a fused projection{shard_note}; build this layer with tp1"]
         if quant.scheme == "fp8_block" and not isinstance(block, int):
@@ -264,11 +262,8 @@ def _fill(model: nn.Module, reader: CheckpointReader, t: _Target, device) -> Non
         value = quantized_weights.read(reader, t.quant, t.full_shape, t.tensor.dtype, t.shard)
     elif t.pieces:
         dim = t.shard[0]
-        value = torch.cat([reader.read(t.ckpt_name, (slice(None),) * dim + (slice(start, stop),))
-                           for start, stop in t.pieces], dim=dim)
-    elif t.shard is not None:
-        dim, start, stop = t.shard
-        value = reader.read(t.ckpt_name, (slice(None),) * dim + (slice(start, stop),))
+        parts = [reader.read(t.ckpt_name, (slice(None),) * dim + (slice(start, stop),)) for start, stop in t.pieces]
+        value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
     else:
         value = reader.read(t.ckpt_name)
     if not t.tensor.is_meta:

@@ -209,7 +209,7 @@ class _CupyMmaExperts(ExpertsBase):
         if launch is None:
             return torch.zeros_like(hidden)
         kern, stream, poison, x, ids, weights = launch
-        n_local, inter = len(self.expert_ids), self.inter_size
+        inter = self.inter_size
         n1 = 2 * inter if spec.gated else inter
         pairs = tokens * top_k
         auto_path, auto_tile = self.plan(tokens, top_k)
