@@ -184,6 +184,12 @@ def per_position_err(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).flatten()
 
 
+def largest_diff(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """The largest logit difference at each position, relative to the largest reference logit, in float64."""
+    ours, ref = ours.double(), ref.double()
+    return (ours - ref).abs().amax(-1).flatten() / ref.abs().max()
+
+
 def token_ids(vocab_size: int, batch: int = 2, length: int = 12, seed: int | None = None) -> torch.Tensor:
     """Random token ids; a fresh draw per call unless a seed is given."""
     gen = torch.Generator()
