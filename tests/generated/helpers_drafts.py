@@ -10,6 +10,11 @@ import torch
 from tests.generated import builds
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm written out (the MTP formulas' oracle): x / sqrt(mean(x^2) + eps) * weight, in x's dtype."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
 def draft_target(model: str, mode: str = "mtp") -> dict:
     """The model's specialized target whose draft serves speculative mode `mode`."""
     return next(t for t in builds.specialized(model) if t["spec_mode"] == mode)
