@@ -395,9 +395,15 @@ def variant_path() -> Path:
     return _TMP / "variant-builds"
 
 
+def codegen_run(*args) -> subprocess.CompletedProcess:
+    """`python -m codegen ARGS` in a fresh process from the repository root, as a user runs it (text output
+    captured); its exit code is the caller's to check."""
+    return subprocess.run([sys.executable, "-m", "codegen", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+
+
 def codegen_cli(*args) -> str:
-    """`python -m codegen ARGS` in a fresh process from the repository root, as a user runs it; its stdout."""
-    done = subprocess.run([sys.executable, "-m", "codegen", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+    """`python -m codegen ARGS` that must succeed (codegen_run); its stdout."""
+    done = codegen_run(*args)
     assert done.returncode == 0, done.stderr
     return done.stdout
 

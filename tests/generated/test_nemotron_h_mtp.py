@@ -101,14 +101,10 @@ def test_the_draft_cache_reproduces_its_full_forward(case):
 
 
 def test_a_nemotron_mtp_pattern_beyond_attention_and_moe_is_refused(tmp_path):
-    import subprocess
-    import sys
-
     text = (builds.ROOT / "registry" / "models" / "tiny_nemotron_h.toml").read_text(encoding="utf-8")
     (tmp_path / "bad.toml").write_text(text.replace('name = "tiny_nemotron_h"', 'name = "bad_nemotron"').replace(
         'mtp_hybrid_override_pattern = "*E"', 'mtp_hybrid_override_pattern = "M*E"'), encoding="utf-8")
-    done = subprocess.run([sys.executable, "-m", "codegen", "explain", "--models", str(tmp_path), "--model", "bad_nemotron",
-                           "--sm", "90"], cwd=builds.ROOT, capture_output=True, text=True)
+    done = builds.codegen_run("explain", "--models", tmp_path, "--model", "bad_nemotron", "--sm", "90")
     assert done.returncode == 2
     assert ("mtp_hybrid_override_pattern 'M*E' may hold only '*' (attention) and 'E' (MoE) layers, as vLLM's Nemotron-H "
             "MTP builds") in done.stderr
