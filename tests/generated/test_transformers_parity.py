@@ -28,11 +28,6 @@ from tests.generated import builds
 FAMILIES = sorted(builds.TINY)
 
 
-def _per_position(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    ours, ref = ours.double(), ref.double()
-    return ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).flatten()
-
-
 def _bf16_target(model: str) -> dict:
     return next(t for t in builds.specialized(model) if builds.single_rank(t) and t["checkpoint"].endswith("_bf16"))
 
@@ -104,7 +99,7 @@ def test_the_specialized_build_computes_transformers_logits_in_fp32(family_case)
     ours.load_checkpoint(folder)
     ids = builds.token_ids(vocab, batch=4, length=16)
     with torch.no_grad():
-        errors = _per_position(ours(ids), reference(ids).logits)
+        errors = builds.per_position_err(ours(ids), reference(ids).logits)
     assert errors.median() <= 8e-3, errors.median()
     # 0.8, not 0.9: qwen3_next's DeltaNet carries the TORCH experts' bf16 operand rounding along the
     # sequence (a fresh random batch gave 0.86 once); a wrong weight or layer moves every position.
@@ -119,7 +114,7 @@ def test_the_bf16_build_is_as_close_to_transformers_fp32_as_transformers_bf16_is
     ids = builds.token_ids(vocab, batch=8, length=32)
     with torch.no_grad():
         exact, ours_out, theirs_out = reference(ids).logits, ours(ids), theirs(ids).logits
-        ours_err, theirs_err = _per_position(ours_out, exact), _per_position(theirs_out, exact)
+        ours_err, theirs_err = builds.per_position_err(ours_out, exact), builds.per_position_err(theirs_out, exact)
     # The body of the distribution, not its tail: a routing flip (in either model, at random) moves a
     # position a lot, and top-1 agreement is no measure either, random tiny models being full of near-ties.
     assert ours_err.median() <= 1.25 * theirs_err.median(), (ours_err.median(), theirs_err.median())
