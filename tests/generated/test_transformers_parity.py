@@ -28,10 +28,6 @@ from tests.generated import builds
 FAMILIES = sorted(builds.TINY)
 
 
-def _bf16_target(model: str) -> dict:
-    return next(t for t in builds.specialized(model) if builds.single_rank(t) and t["checkpoint"].endswith("_bf16"))
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_case(request):
     """(model, checkpoint folder, transformers fp32 model, vocab size) of one family."""
@@ -42,7 +38,7 @@ def family_case(request):
 
 def _vanilla_generic(model: str, folder):
     module = builds.load(f"generated.{model}.generic.modeling")
-    checkpoint = _bf16_target(model)["checkpoint"]
+    checkpoint = builds.bf16_target(model)["checkpoint"]
     ours = module.MODEL_CLASS(checkpoint=checkpoint, sm=90, selection=Selection(backend="VANILLA"), dtype=torch.float32)
     ours.load_checkpoint(folder)
     return ours.eval()
@@ -95,7 +91,7 @@ def test_a_variant_built_by_the_cli_computes_transformers_logits_in_fp32(name):
 
 def test_the_specialized_build_computes_transformers_logits_in_fp32(family_case):
     model, folder, reference, vocab = family_case
-    ours = builds.load("generated" + _bf16_target(model)["module"]).MODEL_CLASS(dtype=torch.float32)
+    ours = builds.load("generated" + builds.bf16_target(model)["module"]).MODEL_CLASS(dtype=torch.float32)
     ours.load_checkpoint(folder)
     ids = builds.token_ids(vocab, batch=4, length=16)
     with torch.no_grad():
@@ -108,7 +104,7 @@ def test_the_specialized_build_computes_transformers_logits_in_fp32(family_case)
 
 def test_the_bf16_build_is_as_close_to_transformers_fp32_as_transformers_bf16_is(family_case):
     model, folder, reference, vocab = family_case
-    ours = builds.load("generated" + _bf16_target(model)["module"]).MODEL_CLASS()  # bf16, the default
+    ours = builds.load("generated" + builds.bf16_target(model)["module"]).MODEL_CLASS()  # bf16, the default
     ours.load_checkpoint(folder)
     theirs = builds.transformers_model(folder, torch.bfloat16)
     ids = builds.token_ids(vocab, batch=8, length=32)
@@ -126,7 +122,7 @@ def test_the_bf16_build_is_as_close_to_transformers_fp32_as_transformers_bf16_is
 
 def test_the_bf16_build_decodes_through_its_cache_to_its_full_forward(family_case):
     model, folder, _, vocab = family_case
-    ours = builds.load("generated" + _bf16_target(model)["module"]).MODEL_CLASS()  # bf16, the default
+    ours = builds.load("generated" + builds.bf16_target(model)["module"]).MODEL_CLASS()  # bf16, the default
     ours.load_checkpoint(folder)
     ids, prefill = builds.token_ids(vocab, batch=2, length=24), 21
     with torch.no_grad():
