@@ -60,6 +60,34 @@ def specialized(model: str) -> list[dict]:
     return [t for t in index()["targets"] if t["model"] == model]
 
 
+def bf16_target(model: str) -> dict:
+    """The model's first single-rank specialized target of a bf16 checkpoint."""
+    return next(t for t in specialized(model) if single_rank(t) and t["checkpoint"].endswith("_bf16"))
+
+
+def random_build(model: str, seed: int):
+    """`bf16_target(model)`'s build in fp32 with seeded random weights (init_random), in eval mode."""
+    built = load("generated" + bf16_target(model)["module"]).MODEL_CLASS(dtype=torch.float32)
+    built.init_random(seed=seed)
+    return built.eval()
+
+
+@contextlib.contextmanager
+def vanilla_experts(modules):
+    """Every experts implementation of the generated `modules` bound to the VANILLA class (fp32 GEMMs) inside
+    the block: the experts contract makes it interchangeable with the bound TORCH class, and SD1 is exact only
+    where the arithmetic is."""
+    import pytest
+
+    from runtime.experts.vanilla import TorchEagerBf16Experts
+
+    with pytest.MonkeyPatch.context() as patch:
+        for module in modules:
+            patch.setattr(module, "IMPLEMENTATIONS", {i: (TorchEagerBf16Experts, "VANILLA") for i in module.IMPLEMENTATIONS})
+            patch.setattr(module, "CPU_IMPLS", tuple(module.IMPLEMENTATIONS))
+        yield
+
+
 def single_rank(target: dict) -> bool:
     """A build that runs in one process (the multi-rank layouts are tests/parallel's)."""
     module = load("generated" + target["module"])
@@ -182,6 +210,12 @@ def per_position_err(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Relative L2 error of each position's logits `[..., V]`, flattened, in float64."""
     ours, ref = ours.double(), ref.double()
     return ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).flatten()
+
+
+def largest_diff(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """The largest logit difference at each position, relative to the largest reference logit, in float64."""
+    ours, ref = ours.double(), ref.double()
+    return (ours - ref).abs().amax(-1).flatten() / ref.abs().max()
 
 
 def token_ids(vocab_size: int, batch: int = 2, length: int = 12, seed: int | None = None) -> torch.Tensor:
@@ -389,9 +423,15 @@ def variant_path() -> Path:
     return _TMP / "variant-builds"
 
 
+def codegen_run(*args) -> subprocess.CompletedProcess:
+    """`python -m codegen ARGS` in a fresh process from the repository root, as a user runs it (text output
+    captured); its exit code is the caller's to check."""
+    return subprocess.run([sys.executable, "-m", "codegen", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+
+
 def codegen_cli(*args) -> str:
-    """`python -m codegen ARGS` in a fresh process from the repository root, as a user runs it; its stdout."""
-    done = subprocess.run([sys.executable, "-m", "codegen", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+    """`python -m codegen ARGS` that must succeed (codegen_run); its stdout."""
+    done = codegen_run(*args)
     assert done.returncode == 0, done.stderr
     return done.stdout
 

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import contextlib
 
-import pytest
 import torch
 
 from tests.generated import builds
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm written out (the MTP formulas' oracle): x / sqrt(mean(x^2) + eps) * weight, in x's dtype."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 def draft_target(model: str, mode: str = "mtp") -> dict:
@@ -35,12 +39,8 @@ def vanilla_speculative_target(model: str, folder, checkpoint_name: str, mode: s
     """load_model's target with its draft attached, both bound to VANILLA experts (fp32 GEMMs: SD1 is exact only
     where the arithmetic is, as test_speculative's)."""
     from generated import load_model
-    from runtime.experts.vanilla import TorchEagerBf16Experts
 
-    with pytest.MonkeyPatch.context() as patch:
-        for module in build_modules(model, mode):
-            patch.setattr(module, "IMPLEMENTATIONS", {i: (TorchEagerBf16Experts, "VANILLA") for i in module.IMPLEMENTATIONS})
-            patch.setattr(module, "CPU_IMPLS", tuple(module.IMPLEMENTATIONS))
+    with builds.vanilla_experts(build_modules(model, mode)):
         yield load_model(model, 90, checkpoint=str(folder), checkpoint_name=checkpoint_name,
                          speculative_config={"mode": mode}, dtype=torch.float32, mode="require").eval()
 

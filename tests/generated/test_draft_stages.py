@@ -132,16 +132,12 @@ def test_speculative_greedy_with_the_draft_stages_is_the_target_greedy(speculati
 
 
 def test_stages_under_a_prefix_the_runtime_cannot_build_are_refused_and_nothing_is_written(tmp_path):
-    import subprocess
-    import sys
-
     text = (builds.ROOT / "registry" / "models" / f"{MODEL}.toml").read_text(encoding="utf-8")
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "odd_stages.toml").write_text(
         text.replace(f'name = "{MODEL}"', 'name = "odd_stages"').replace("model.draft_stages.{k}.mlp.experts", "model.stages.{k}.experts")
         .replace('"model.draft_stages.*.mlp.experts.*"', '"model.stages.*.experts.*"'), encoding="utf-8")
-    done = subprocess.run([sys.executable, "-m", "codegen", "generate", "--models", str(tmp_path / "models"), "--model",
-                           "odd_stages", "--out", str(tmp_path / "out")], cwd=builds.ROOT, capture_output=True, text=True)
+    done = builds.codegen_run("generate", "--models", tmp_path / "models", "--model", "odd_stages", "--out", tmp_path / "out")
     assert done.returncode == 2
     assert done.stderr == (
         "error: tiny_deepseek_v4_flash_mixed__sm_90__tp1: draft stages tiny_deepseek_v4_flash_stages have experts_prefix "

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.generated import builds
+from tests.generated import helpers_drafts as drafts
 
 MODELS = ("tiny_deepseek_v3", "tiny_glm4_moe")
 
@@ -76,10 +77,6 @@ def test_the_target_ignores_the_mtp_tensors_and_the_draft_reads_only_them(case):
     assert torch.equal(block.shared_head.head.weight, tensors[prefix + "shared_head.head.weight"].float())
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
 def test_the_draft_computes_the_mtp_formula_in_float64_from_the_checkpoint(case, transformers_mtp):
     model, _, tensors, target, draft, _ = case
     main, mtp = transformers_mtp
@@ -91,13 +88,14 @@ def test_the_draft_computes_the_mtp_formula_in_float64_from_the_checkpoint(case,
         hidden = target.hidden_states(ids)  # the final-norm hidden states a draft reads
         logits, _ = draft(next_ids, hidden)
         h = hidden.double()
-        x = torch.cat([_rms(t["embed_tokens.weight"][next_ids], t["enorm.weight"], eps), _rms(h, t["hnorm.weight"], eps)], -1)
+        x = torch.cat([drafts.rms_norm(t["embed_tokens.weight"][next_ids], t["enorm.weight"], eps),
+                       drafts.rms_norm(h, t["hnorm.weight"], eps)], -1)
         x = x @ t["eh_proj.weight"].T
         positions = torch.arange(ids.shape[1])[None]
         causal = torch.full((ids.shape[1], ids.shape[1]), float("-inf"), dtype=torch.float64).triu(1)[None, None]
         layer_out = mtp.layers[0].mtp_block(
             x, attention_mask=causal, position_ids=positions, position_embeddings=main.model.rotary_emb(x, positions))
-        expected = _rms(layer_out, t["shared_head.norm.weight"], eps) @ t["shared_head.head.weight"].T
+        expected = drafts.rms_norm(layer_out, t["shared_head.norm.weight"], eps) @ t["shared_head.head.weight"].T
     assert builds.rel_err(logits, expected) <= 1e-2
 
 

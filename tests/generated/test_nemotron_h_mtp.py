@@ -69,10 +69,6 @@ def test_the_target_ignores_the_mtp_tree_and_the_draft_reads_it_with_the_embeddi
     assert torch.equal(draft.backbone.embeddings.weight, tensors["backbone.embeddings.weight"].float())
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
-
-
 def test_the_draft_computes_the_nemotron_h_mtp_formula_in_float64(case, mtp_blocks):
     _, tensors, target, draft, _ = case
     attention, moe, eps = mtp_blocks
@@ -82,11 +78,11 @@ def test_the_draft_computes_the_nemotron_h_mtp_formula_in_float64(case, mtp_bloc
     with torch.no_grad():
         hidden = target.hidden_states(ids)   # the final-norm hidden states the draft reads
         logits, out = draft(next_ids, hidden)
-        x = torch.cat([_rms(t["backbone.embeddings.weight"][next_ids], t["mtp.layers.0.enorm.weight"], eps),
-                       _rms(hidden.double(), t["mtp.layers.0.hnorm.weight"], eps)], -1) @ t["mtp.layers.0.eh_proj.weight"].T
+        x = torch.cat([drafts.rms_norm(t["backbone.embeddings.weight"][next_ids], t["mtp.layers.0.enorm.weight"], eps),
+                       drafts.rms_norm(hidden.double(), t["mtp.layers.0.hnorm.weight"], eps)], -1) @ t["mtp.layers.0.eh_proj.weight"].T
         causal = torch.full((ids.shape[1], ids.shape[1]), float("-inf"), dtype=torch.float64).triu(1)[None, None]
         x = moe(attention(x, attention_mask=causal, position_ids=torch.arange(ids.shape[1])[None]))
-        normed = _rms(x, t["mtp.layers.1.final_layernorm.weight"], eps)
+        normed = drafts.rms_norm(x, t["mtp.layers.1.final_layernorm.weight"], eps)
         expected = normed @ t["lm_head.weight"].T
     assert builds.rel_err(logits, expected) <= 1e-2
     assert builds.rel_err(out, normed) <= 1e-2
@@ -105,14 +101,10 @@ def test_the_draft_cache_reproduces_its_full_forward(case):
 
 
 def test_a_nemotron_mtp_pattern_beyond_attention_and_moe_is_refused(tmp_path):
-    import subprocess
-    import sys
-
     text = (builds.ROOT / "registry" / "models" / "tiny_nemotron_h.toml").read_text(encoding="utf-8")
     (tmp_path / "bad.toml").write_text(text.replace('name = "tiny_nemotron_h"', 'name = "bad_nemotron"').replace(
         'mtp_hybrid_override_pattern = "*E"', 'mtp_hybrid_override_pattern = "M*E"'), encoding="utf-8")
-    done = subprocess.run([sys.executable, "-m", "codegen", "explain", "--models", str(tmp_path), "--model", "bad_nemotron",
-                           "--sm", "90"], cwd=builds.ROOT, capture_output=True, text=True)
+    done = builds.codegen_run("explain", "--models", tmp_path, "--model", "bad_nemotron", "--sm", "90")
     assert done.returncode == 2
     assert ("mtp_hybrid_override_pattern 'M*E' may hold only '*' (attention) and 'E' (MoE) layers, as vLLM's Nemotron-H "
             "MTP builds") in done.stderr

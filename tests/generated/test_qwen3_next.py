@@ -15,11 +15,6 @@ from tests.generated import builds
 OVERRIDES = dict(num_hidden_layers=4, decoder_sparse_step=2, intermediate_size=96)
 
 
-def _largest_diff(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    ours, ref = ours.double(), ref.double()
-    return (ours - ref).abs().amax(-1).flatten() / ref.abs().max()
-
-
 def test_a_four_layer_build_by_the_cli_computes_transformers_logits_and_decodes_to_them():
     package, folder = builds.variant_build("qwen3_next_four_layers", "tiny_qwen3_next", **OVERRIDES)
     ours = package.load_model("qwen3_next_four_layers", 90, checkpoint=folder, moe_config={"backend": "VANILLA"},
@@ -36,7 +31,7 @@ def test_a_four_layer_build_by_the_cli_computes_transformers_logits_and_decodes_
         decoder.prefill(ids[:, :3])    # a shorter prompt first: the next prefill must start from empty states
         steps = [decoder.prefill(ids[:, :prefill])] + [decoder.step(ids[:, t]) for t in range(prefill, 16)]
     assert builds.rel_err(full, expected) <= 1e-5
-    assert _largest_diff(full, expected).max() < 2e-5
+    assert builds.largest_diff(full, expected).max() < 2e-5
     decoded = torch.stack(steps, dim=1)   # the logits of positions prefill-1 .. 15
-    assert _largest_diff(decoded, full[:, prefill - 1:]).max() < 2e-5
-    assert _largest_diff(decoded, expected[:, prefill - 1:]).max() < 2e-5
+    assert builds.largest_diff(decoded, full[:, prefill - 1:]).max() < 2e-5
+    assert builds.largest_diff(decoded, expected[:, prefill - 1:]).max() < 2e-5

@@ -65,11 +65,6 @@ def test_the_target_ignores_the_mtp_tree_and_the_draft_reads_it_with_the_embeddi
     assert torch.equal(draft.lm_head.weight, tensors["lm_head.weight"].float())
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3-Next's zero-centred RMSNorm: the scale is 1 + w."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight)
-
-
 def test_the_draft_computes_the_qwen3_next_mtp_formula_in_float64(case, mtp_layer):
     _, tensors, target, draft, _ = case
     layer, rotary, eps = mtp_layer
@@ -79,12 +74,13 @@ def test_the_draft_computes_the_qwen3_next_mtp_formula_in_float64(case, mtp_laye
     with torch.no_grad():
         hidden = target.hidden_states(ids)   # the final-norm hidden states the draft reads
         logits, out = draft(next_ids, hidden)
-        x = torch.cat([_rms(t["model.embed_tokens.weight"][next_ids], t["mtp.pre_fc_norm_embedding.weight"], eps),
-                       _rms(hidden.double(), t["mtp.pre_fc_norm_hidden.weight"], eps)], -1) @ t["mtp.fc.weight"].T
+        # Qwen3-Next's RMSNorm is zero-centred: its scale is 1 + w.
+        x = torch.cat([drafts.rms_norm(t["model.embed_tokens.weight"][next_ids], 1.0 + t["mtp.pre_fc_norm_embedding.weight"], eps),
+                       drafts.rms_norm(hidden.double(), 1.0 + t["mtp.pre_fc_norm_hidden.weight"], eps)], -1) @ t["mtp.fc.weight"].T
         positions = torch.arange(ids.shape[1])[None]
         causal = torch.full((ids.shape[1], ids.shape[1]), float("-inf"), dtype=torch.float64).triu(1)[None, None]
-        normed = _rms(layer(x, position_embeddings=rotary(x, positions), attention_mask=causal, position_ids=positions),
-                      t["mtp.norm.weight"], eps)
+        normed = drafts.rms_norm(layer(x, position_embeddings=rotary(x, positions), attention_mask=causal, position_ids=positions),
+                                 1.0 + t["mtp.norm.weight"], eps)
         expected = normed @ t["lm_head.weight"].T
     assert builds.rel_err(logits, expected) <= 1e-2
     # What the next draft step reads: the predictor's output after mtp.norm (as vLLM chains it).

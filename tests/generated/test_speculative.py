@@ -33,27 +33,11 @@ def _vanilla_experts():
     interchangeable with the bound TORCH class, whose bf16 GEMMs round differently for 1 and k+1 tokens
     (~1e-4 relative), enough to flip a near-tie of two logits between a cached verify and the uncached
     oracle now and then: SD1 is exact only where the arithmetic is)."""
-    from runtime.experts.vanilla import TorchEagerBf16Experts
-
     models = {*MTP_MODELS, *EXTERNAL_TARGETS, "tiny_mixtral"}
-    modules = [builds.load("generated" + _bf16_target(m)["module"]) for m in models]
-    modules += [builds.load("generated" + _bf16_target(m)["module"].replace(".modeling", ".draft")) for m in MTP_MODELS]
-    with pytest.MonkeyPatch.context() as patch:
-        for module in modules:
-            vanilla = {i: (TorchEagerBf16Experts, "VANILLA") for i in module.IMPLEMENTATIONS}
-            patch.setattr(module, "IMPLEMENTATIONS", vanilla)
-            patch.setattr(module, "CPU_IMPLS", tuple(module.IMPLEMENTATIONS))
+    modules = [builds.load("generated" + builds.bf16_target(m)["module"]) for m in models]
+    modules += [builds.load("generated" + builds.bf16_target(m)["module"].replace(".modeling", ".draft")) for m in MTP_MODELS]
+    with builds.vanilla_experts(modules):
         yield
-
-
-def _bf16_target(model: str) -> dict:
-    return next(t for t in builds.specialized(model) if builds.single_rank(t) and t["checkpoint"].endswith("_bf16"))
-
-
-def _build(model: str, seed: int):
-    built = builds.load("generated" + _bf16_target(model)["module"]).MODEL_CLASS(dtype=torch.float32)
-    built.init_random(seed=seed)
-    return built.eval()
 
 
 class Recording:
@@ -104,7 +88,7 @@ def mtp_case(request):
 def test_load_model_attaches_the_mtp_draft_build_with_its_own_tensors(mtp_case):
     model, target = mtp_case
     draft = target.draft
-    assert type(draft).__module__ == "generated" + _bf16_target(model)["module"].replace(".modeling", ".draft")
+    assert type(draft).__module__ == "generated" + builds.bf16_target(model)["module"].replace(".modeling", ".draft")
     assert draft.INPUT == "hidden"
     # Outside the target's module tree: the target's parameters are its own.
     assert not any(name.startswith("draft") for name, _ in target.named_parameters())
@@ -161,7 +145,7 @@ def test_the_mtp_draft_reads_the_accepted_tokens_and_target_hidden_states(mtp_ca
 @pytest.mark.parametrize("model", EXTERNAL_TARGETS)
 @pytest.mark.parametrize("k", [1, 3])
 def test_a_drafter_with_the_target_weights_is_accepted_k_plus_1_per_step(model, k):
-    target, twin = _build(model, seed=3), _build(model, seed=3)
+    target, twin = builds.random_build(model, seed=3), builds.random_build(model, seed=3)
     prompt = builds.token_ids(speculative.vocab_size(target), batch=3, length=4)  # 3 rows: a bucket of 4
     out = target.generate(prompt, NEW, speculative=Speculation(k, ExternalDrafter(twin, target)))
     assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
@@ -172,7 +156,7 @@ def test_a_drafter_with_the_target_weights_is_accepted_k_plus_1_per_step(model, 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_a_drafter_of_another_family_gives_the_target_greedy(k):
-    target, drafter = _build("tiny_deepseek_v3", seed=3), _build("tiny_qwen3_moe", seed=5)
+    target, drafter = builds.random_build("tiny_deepseek_v3", seed=3), builds.random_build("tiny_qwen3_moe", seed=5)
     prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=4)
     out = target.generate(prompt, NEW, speculative=Speculation(k, ExternalDrafter(drafter, target)))
     assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
@@ -184,7 +168,7 @@ def test_a_drafter_wrong_on_purpose_is_rolled_back(k, wrong, per_round):
     """Wrong at draft step `wrong` of every round in row 0 only: every round keeps exactly `wrong` proposals
     (the rows share positions, so row 1's longer agreement waits), and the next round's drafter agrees
     again: both caches were rolled back past the rejected tokens."""
-    target, twin = _build("tiny_qwen3_moe", seed=3), _build("tiny_qwen3_moe", seed=3)
+    target, twin = builds.random_build("tiny_qwen3_moe", seed=3), builds.random_build("tiny_qwen3_moe", seed=3)
     prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=4)
     out = target.generate(prompt, NEW, speculative=Speculation(k, WrongAt(twin, target, wrong, row=0)))
     assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
@@ -215,7 +199,7 @@ class PermutedAux(ExternalDrafter):
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_an_aux_hidden_draft_reads_the_listed_layers_and_maps_its_vocabulary(temperature):
-    target, twin = _build("tiny_qwen3_moe", seed=3), _build("tiny_qwen3_moe", seed=3)
+    target, twin = builds.random_build("tiny_qwen3_moe", seed=3), builds.random_build("tiny_qwen3_moe", seed=3)
     perm = torch.randperm(512, generator=torch.Generator().manual_seed(1))
     draft = PermutedAux(twin, target, perm)
     prompt = builds.token_ids(512, batch=2, length=5)
@@ -235,7 +219,7 @@ def test_an_aux_hidden_draft_reads_the_listed_layers_and_maps_its_vocabulary(tem
 
 
 def test_a_drafter_of_another_vocabulary_is_refused():
-    target, drafter = _build("tiny_qwen3_moe", seed=3), _build("tiny_mixtral", seed=3)
+    target, drafter = builds.random_build("tiny_qwen3_moe", seed=3), builds.random_build("tiny_mixtral", seed=3)
     hidden = drafter.model.embed_tokens.weight.shape[1]
     drafter.model.embed_tokens = VocabEmbedding(vocab_size=256, hidden_size=hidden, dtype=torch.float32)
     drafter.lm_head = LMHead(hidden_size=hidden, vocab_size=256, dtype=torch.float32)
@@ -247,7 +231,7 @@ def test_a_drafter_of_another_vocabulary_is_refused():
 
 
 def test_a_draft_that_names_no_input_kind_is_refused():
-    target, twin = _build("tiny_qwen3_moe", seed=3), _build("tiny_qwen3_moe", seed=3)
+    target, twin = builds.random_build("tiny_qwen3_moe", seed=3), builds.random_build("tiny_qwen3_moe", seed=3)
     drafter = ExternalDrafter(twin, target)
     drafter.INPUT = "logits"
     with pytest.raises(ValueError) as e:
@@ -265,7 +249,7 @@ def test_without_a_draft_it_decodes_with_the_target_and_says_so():
     assert out.note == "speculative_config.mode 'ngram' has no neural draft: decoded with the target alone"
     assert out.report() == out.note and out.rounds == 0
     assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, 6))
-    plain = _build("tiny_qwen3_moe", seed=3)
+    plain = builds.random_build("tiny_qwen3_moe", seed=3)
     assert plain.generate(prompt, 3, speculative=2).note == (
         f"{type(plain).__name__} was loaded without a draft (no speculative_config.mode): decoded with the target alone")
     generic = load_model("tiny_deepseek_v3", 90, checkpoint_name="tiny_deepseek_v3_bf16", mode="off",
@@ -283,7 +267,7 @@ def test_without_a_draft_it_decodes_with_the_target_and_says_so():
 
 
 def test_rows_that_reach_eos_continue_with_it_and_decoding_stops_early():
-    target, twin = _build("tiny_qwen3_moe", seed=3), _build("tiny_qwen3_moe", seed=3)
+    target, twin = builds.random_build("tiny_qwen3_moe", seed=3), builds.random_build("tiny_qwen3_moe", seed=3)
     prompt = builds.token_ids(speculative.vocab_size(target), batch=1, length=4)
     spec = Speculation(3, ExternalDrafter(twin, target))
     greedy = builds.greedy_reference(target, prompt, NEW)[0, 4:]
@@ -340,7 +324,7 @@ def test_speculative_sampling_keeps_draws_of_the_target_distribution():
 
 
 def test_sampled_speculative_decoding_accepts_an_always_agreeing_drafter_and_is_seeded():
-    target, twin = _build("tiny_qwen3_moe", seed=3), _build("tiny_qwen3_moe", seed=3)
+    target, twin = builds.random_build("tiny_qwen3_moe", seed=3), builds.random_build("tiny_qwen3_moe", seed=3)
     prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=4)
     spec = Speculation(3, ExternalDrafter(twin, target))
     out = target.generate(prompt, NEW, temperature=0.8, top_p=0.9, seed=5, speculative=spec)
@@ -352,12 +336,12 @@ def test_sampled_speculative_decoding_accepts_an_always_agreeing_drafter_and_is_
     assert not torch.equal(greedy, out.tokens)
     # A drafter of other weights: proposals mostly rejected, every kept token still a target draw.
     other = target.generate(prompt, NEW, temperature=0.8, seed=5,
-                            speculative=Speculation(3, ExternalDrafter(_build("tiny_qwen3_moe", seed=8), target)))
+                            speculative=Speculation(3, ExternalDrafter(builds.random_build("tiny_qwen3_moe", seed=8), target)))
     assert other.accepted < other.proposed and other.tokens.shape == (2, 4 + NEW)
 
 
 def test_speculative_generate_refuses_bad_arguments():
-    target, twin = _build("tiny_qwen3_moe", seed=3), _build("tiny_qwen3_moe", seed=3)
+    target, twin = builds.random_build("tiny_qwen3_moe", seed=3), builds.random_build("tiny_qwen3_moe", seed=3)
     prompt = torch.zeros(1, 3, dtype=torch.int64)
     drafter = ExternalDrafter(twin, target)
     with pytest.raises(ValueError) as e:

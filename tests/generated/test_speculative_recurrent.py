@@ -27,26 +27,10 @@ NEW = 34
 HYBRID = ("tiny_qwen3_next", "tiny_nemotron_h")
 
 
-def _target(model: str) -> dict:
-    return next(t for t in builds.specialized(model) if builds.single_rank(t) and t["checkpoint"].endswith("_bf16"))
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _vanilla_experts():
-    from runtime.experts.vanilla import TorchEagerBf16Experts
-
-    with pytest.MonkeyPatch.context() as patch:
-        for model in HYBRID:
-            module = builds.load("generated" + _target(model)["module"])
-            patch.setattr(module, "IMPLEMENTATIONS", {i: (TorchEagerBf16Experts, "VANILLA") for i in module.IMPLEMENTATIONS})
-            patch.setattr(module, "CPU_IMPLS", tuple(module.IMPLEMENTATIONS))
+    with builds.vanilla_experts([builds.load("generated" + builds.bf16_target(model)["module"]) for model in HYBRID]):
         yield
-
-
-def _build(model: str, seed: int):
-    built = builds.load("generated" + _target(model)["module"]).MODEL_CLASS(dtype=torch.float32)
-    built.init_random(seed=seed)
-    return built.eval()
 
 
 def _recurrent(caches) -> list[RecurrentCache]:
@@ -54,14 +38,14 @@ def _recurrent(caches) -> list[RecurrentCache]:
 
 
 def test_the_hybrid_builds_have_recurrent_layers():
-    kinds = {model: [type(c).__name__ for c in _recurrent(_build(model, 0).new_caches(1, 8))] for model in HYBRID}
+    kinds = {model: [type(c).__name__ for c in _recurrent(builds.random_build(model, 0).new_caches(1, 8))] for model in HYBRID}
     assert kinds == {"tiny_qwen3_next": ["RecurrentState"], "tiny_nemotron_h": ["MambaState", "MambaState"]}
 
 
 @pytest.mark.parametrize("model", HYBRID)
 @pytest.mark.parametrize("k", [1, 3])
 def test_a_drafter_with_the_target_weights_is_accepted_k_plus_1_per_step(model, k):
-    target, twin = _build(model, seed=3), _build(model, seed=3)
+    target, twin = builds.random_build(model, seed=3), builds.random_build(model, seed=3)
     prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=5)
     out = target.generate(prompt, NEW, speculative=Speculation(k, ExternalDrafter(twin, target)))
     assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
@@ -73,7 +57,7 @@ def test_a_drafter_with_the_target_weights_is_accepted_k_plus_1_per_step(model, 
 @pytest.mark.parametrize("k", [1, 3])
 def test_a_drafter_of_the_other_hybrid_family_gives_the_target_greedy(model, k):
     other = next(m for m in HYBRID if m != model)
-    target, drafter = _build(model, seed=3), _build(other, seed=5)
+    target, drafter = builds.random_build(model, seed=3), builds.random_build(other, seed=5)
     prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=4)
     out = target.generate(prompt, NEW, speculative=Speculation(k, ExternalDrafter(drafter, target)))
     assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
@@ -87,7 +71,7 @@ def test_a_drafter_wrong_on_purpose_is_rolled_back(model, k, wrong):
     """Wrong at draft step `wrong` of every round in row 0: every round keeps exactly `wrong` proposals, and
     the next round's drafter (the target's twin) agrees again up to its wrong step, which it can only if
     both its states and the target's were returned to the accepted tokens."""
-    target, twin = _build(model, seed=3), _build(model, seed=3)
+    target, twin = builds.random_build(model, seed=3), builds.random_build(model, seed=3)
     prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=4)
     out = target.generate(prompt, NEW, speculative=Speculation(k, WrongAt(twin, target, wrong, row=0)))
     assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
@@ -96,7 +80,7 @@ def test_a_drafter_wrong_on_purpose_is_rolled_back(model, k, wrong):
 
 
 def test_a_prompt_longer_than_a_chunk_prefills_chunked_and_decodes_to_the_target_greedy():
-    target, drafter = _build("tiny_qwen3_next", seed=3), _build("tiny_qwen3_next", seed=4)
+    target, drafter = builds.random_build("tiny_qwen3_next", seed=3), builds.random_build("tiny_qwen3_next", seed=4)
     prompt = builds.token_ids(speculative.vocab_size(target), batch=1, length=70)   # > the DeltaNet's chunk, 64
     out = target.generate(prompt, NEW, speculative=Speculation(3, ExternalDrafter(drafter, target)))
     assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
@@ -113,7 +97,7 @@ def _plain_states(model, ids, positions_offset=0):
                                                          ("tiny_nemotron_h", "tiny_qwen3_next")])
 def test_after_each_round_the_states_are_those_of_a_plain_forward_over_the_accepted_tokens(target_model, drafter_model):
     k = 3
-    target, drafter = _build(target_model, seed=3), _build(drafter_model, seed=6)
+    target, drafter = builds.random_build(target_model, seed=3), builds.random_build(drafter_model, seed=6)
     prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=5)
     decoder = SpeculativeDecoder(target, ExternalDrafter(drafter, target), k, 2, 64)
     sequence = torch.cat((prompt, decoder.prefill(prompt)[:, None]), dim=1)
@@ -144,7 +128,7 @@ class TwoCacheDrafter(ExternalDrafter):
 
 
 def test_a_draft_whose_later_steps_keep_recurrent_caches_of_their_own_is_refused():
-    target, drafter = _build("tiny_qwen3_next", seed=3), _build("tiny_nemotron_h", seed=5)
+    target, drafter = builds.random_build("tiny_qwen3_next", seed=3), builds.random_build("tiny_nemotron_h", seed=5)
     with pytest.raises(ValueError) as err:
         SpeculativeDecoder(target, TwoCacheDrafter(drafter, target), 3, 1, 32)
     assert str(err.value) == ("TwoCacheDrafter's caches of draft steps after the first are recurrent: only a draft's "

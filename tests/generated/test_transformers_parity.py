@@ -28,21 +28,6 @@ from tests.generated import builds
 FAMILIES = sorted(builds.TINY)
 
 
-def _per_position(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    ours, ref = ours.double(), ref.double()
-    return ((ours - ref).norm(dim=-1) / ref.norm(dim=-1)).flatten()
-
-
-def _largest_diff(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """The largest logit difference at each position, relative to the largest reference logit, in float64."""
-    ours, ref = ours.double(), ref.double()
-    return (ours - ref).abs().amax(-1).flatten() / ref.abs().max()
-
-
-def _bf16_target(model: str) -> dict:
-    return next(t for t in builds.specialized(model) if builds.single_rank(t) and t["checkpoint"].endswith("_bf16"))
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_case(request):
     """(model, checkpoint folder, transformers fp32 model, vocab size) of one family."""
@@ -53,7 +38,7 @@ def family_case(request):
 
 def _vanilla_generic(model: str, folder):
     module = builds.load(f"generated.{model}.generic.modeling")
-    checkpoint = _bf16_target(model)["checkpoint"]
+    checkpoint = builds.bf16_target(model)["checkpoint"]
     ours = module.MODEL_CLASS(checkpoint=checkpoint, sm=90, selection=Selection(backend="VANILLA"), dtype=torch.float32)
     ours.load_checkpoint(folder)
     return ours.eval()
@@ -66,7 +51,7 @@ def test_the_vanilla_generic_build_computes_transformers_logits_in_fp32(family_c
     with torch.no_grad():
         out, expected = ours(ids), reference(ids).logits
     assert builds.rel_err(out, expected) <= 1e-5
-    assert _largest_diff(out, expected).max() < 2e-5
+    assert builds.largest_diff(out, expected).max() < 2e-5
 
 
 def test_the_vanilla_generic_build_decodes_through_its_cache_to_transformers_logits(family_case):
@@ -78,8 +63,8 @@ def test_the_vanilla_generic_build_decodes_through_its_cache_to_transformers_log
         decoder = ours.decoder(2, 16)
         steps = [decoder.prefill(ids[:, :prefill])] + [decoder.step(ids[:, t]) for t in range(prefill, 16)]
     decoded = torch.stack(steps, dim=1)   # the logits of positions prefill-1 .. 15
-    assert _largest_diff(decoded, full[:, prefill - 1:]).max() < 2e-5
-    assert _largest_diff(decoded, expected[:, prefill - 1:]).max() < 2e-5
+    assert builds.largest_diff(decoded, full[:, prefill - 1:]).max() < 2e-5
+    assert builds.largest_diff(decoded, expected[:, prefill - 1:]).max() < 2e-5
 
 
 # name -> (the tiny model it varies, its transformers config overrides)
@@ -101,16 +86,16 @@ def test_a_variant_built_by_the_cli_computes_transformers_logits_in_fp32(name):
     with torch.no_grad():
         out, expected = ours(ids), reference(ids).logits
     assert builds.rel_err(out, expected) <= 1e-5
-    assert _largest_diff(out, expected).max() < 2e-5
+    assert builds.largest_diff(out, expected).max() < 2e-5
 
 
 def test_the_specialized_build_computes_transformers_logits_in_fp32(family_case):
     model, folder, reference, vocab = family_case
-    ours = builds.load("generated" + _bf16_target(model)["module"]).MODEL_CLASS(dtype=torch.float32)
+    ours = builds.load("generated" + builds.bf16_target(model)["module"]).MODEL_CLASS(dtype=torch.float32)
     ours.load_checkpoint(folder)
     ids = builds.token_ids(vocab, batch=4, length=16)
     with torch.no_grad():
-        errors = _per_position(ours(ids), reference(ids).logits)
+        errors = builds.per_position_err(ours(ids), reference(ids).logits)
     assert errors.median() <= 8e-3, errors.median()
     # 0.8, not 0.9: qwen3_next's DeltaNet carries the TORCH experts' bf16 operand rounding along the
     # sequence (a fresh random batch gave 0.86 once); a wrong weight or layer moves every position.
@@ -119,32 +104,32 @@ def test_the_specialized_build_computes_transformers_logits_in_fp32(family_case)
 
 def test_the_bf16_build_is_as_close_to_transformers_fp32_as_transformers_bf16_is(family_case):
     model, folder, reference, vocab = family_case
-    ours = builds.load("generated" + _bf16_target(model)["module"]).MODEL_CLASS()  # bf16, the default
+    ours = builds.load("generated" + builds.bf16_target(model)["module"]).MODEL_CLASS()  # bf16, the default
     ours.load_checkpoint(folder)
     theirs = builds.transformers_model(folder, torch.bfloat16)
     ids = builds.token_ids(vocab, batch=8, length=32)
     with torch.no_grad():
         exact, ours_out, theirs_out = reference(ids).logits, ours(ids), theirs(ids).logits
-        ours_err, theirs_err = _per_position(ours_out, exact), _per_position(theirs_out, exact)
+        ours_err, theirs_err = builds.per_position_err(ours_out, exact), builds.per_position_err(theirs_out, exact)
     # The body of the distribution, not its tail: a routing flip (in either model, at random) moves a
     # position a lot, and top-1 agreement is no measure either, random tiny models being full of near-ties.
     assert ours_err.median() <= 1.25 * theirs_err.median(), (ours_err.median(), theirs_err.median())
     assert ours_err.quantile(0.75) <= 1.75 * theirs_err.quantile(0.75), (ours_err.quantile(0.75), theirs_err.quantile(0.75))
-    against_theirs = _largest_diff(ours_out, theirs_out)
+    against_theirs = builds.largest_diff(ours_out, theirs_out)
     assert against_theirs.median() < 1.5e-2, against_theirs.median()
     assert (against_theirs < 3e-2).double().mean() >= 0.8, against_theirs
 
 
 def test_the_bf16_build_decodes_through_its_cache_to_its_full_forward(family_case):
     model, folder, _, vocab = family_case
-    ours = builds.load("generated" + _bf16_target(model)["module"]).MODEL_CLASS()  # bf16, the default
+    ours = builds.load("generated" + builds.bf16_target(model)["module"]).MODEL_CLASS()  # bf16, the default
     ours.load_checkpoint(folder)
     ids, prefill = builds.token_ids(vocab, batch=2, length=24), 21
     with torch.no_grad():
         full = ours.eval()(ids)
         decoder = ours.decoder(2, 24)
         steps = [decoder.prefill(ids[:, :prefill])] + [decoder.step(ids[:, t]) for t in range(prefill, 24)]
-    diffs = _largest_diff(torch.stack(steps, dim=1), full[:, prefill - 1:])
+    diffs = builds.largest_diff(torch.stack(steps, dim=1), full[:, prefill - 1:])
     # The body, not the tail: one-token and S-token roundings can flip a near-tie routing choice of a tiny
     # random model at a position (0.53 once, deepseek_v3); a stale cache or position moves every one.
     assert diffs.median() < 3e-2 and (diffs < 3e-2).float().mean() >= 0.75, diffs

@@ -7,7 +7,6 @@ templates make is exercised. Tolerance as in test_transformers_parity (TORCH exp
 from __future__ import annotations
 
 import importlib
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -101,8 +100,7 @@ def test_import_refuses_an_architecture_the_runtime_does_not_build_listing_the_f
 
 def test_the_command_line_refusal_is_a_message_and_exit_code_2():
     folder = _config_only("unsupported-cli", "LlamaForCausalLM")
-    done = subprocess.run([sys.executable, "-m", "codegen", "import-checkpoint", str(folder)], cwd=builds.ROOT,
-                          capture_output=True, text=True)
+    done = builds.codegen_run("import-checkpoint", folder)
     assert done.returncode == 2
     assert done.stderr.startswith(f"error: {folder}: architecture LlamaForCausalLM is not supported; ")
     assert "Traceback" not in done.stderr

@@ -15,6 +15,7 @@ import torch
 
 from runtime.decoding import Decoder
 from tests.generated import builds
+from tests.gpu.helpers_graphs import sm90_build
 
 pytestmark = pytest.mark.gpu
 
@@ -28,9 +29,7 @@ GENERIC = [m for m in builds.tiny_models() if any(t["sm"] == 90 for t in builds.
 
 
 def _specialized(family, dtype):
-    model = builds.load("generated" + SPECIALIZED[family]["module"]).MODEL_CLASS(device="cuda", dtype=dtype)
-    model.init_random(seed=4)
-    return model.eval()
+    return sm90_build(SPECIALIZED[family]["model"], dtype)
 
 
 def _generic(model_name, dtype, checkpoint):

@@ -1,9 +1,10 @@
 """Shared builders for the registry tests: synthetic registries and small model facts.
 
-The project registry has two backends (TORCH, the fallback, and VANILLA, which never degrades).
-Rules about a third backend (a literal that degrades to the fallback, two backends serving one
-format) are exercised on `cupy_registry()`: the project registry plus a CUPY backend whose
-implementations have narrow eligibility on purpose.
+The project registry has four backends (TORCH, the fallback; VANILLA, which never degrades; CUPY and
+TRITON, GPU-only). Rules about a backend beside the base two (a literal that degrades to the fallback,
+two backends serving one format) are exercised on `cupy_registry()`: the project registry with its CUPY
+and TRITON backends replaced by a synthetic CUPY one whose implementations have narrow eligibility on
+purpose.
 """
 
 from __future__ import annotations
