@@ -18,40 +18,10 @@ import torch
 def _kernel():
     try:
         import triton
-        import triton.language as tl
+
+        from runtime.kernels.rotary_triton import rotate
     except ImportError:
         return None
-
-    @triton.jit
-    def rotate(x_ptr, cos_ptr, sin_ptr, y_ptr, seq, x_tok, x_head, dim,
-               HALF: tl.constexpr, BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr):
-        tok = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        heads = tl.num_programs(1)
-        d = tl.arange(0, BLOCK)
-        inside = d < dim
-        rotated = d < 2 * HALF
-        if INTERLEAVED:
-            pair = d // 2
-            first = (d % 2) == 0
-            partner = tl.where(first, d + 1, d - 1)
-        else:
-            first = d < HALF
-            pair = tl.where(first, d, d - HALF)
-            partner = tl.where(first, d + HALF, d - HALF)
-        src = x_ptr + tok * x_tok + head * x_head
-        dtype = y_ptr.dtype.element_ty
-        x = tl.load(src + d, mask=inside, other=0.0).to(tl.float32)
-        xp = tl.load(src + partner, mask=rotated, other=0.0).to(tl.float32)
-        s_index = (tok % seq) * HALF + pair
-        c = tl.load(cos_ptr + s_index, mask=rotated, other=1.0).to(dtype).to(tl.float32)
-        s = tl.load(sin_ptr + s_index, mask=rotated, other=0.0).to(dtype).to(tl.float32)
-        xc = (x * c).to(dtype).to(tl.float32)
-        xs = (xp * s).to(dtype).to(tl.float32)
-        y = tl.where(first, xc - xs, xc + xs)
-        y = tl.where(rotated, y, x)
-        tl.store(y_ptr + (tok * heads + head) * dim + d, y.to(dtype), mask=inside)
-
     return triton, rotate
 
 

@@ -3,6 +3,8 @@ kernel can call its helper by name)."""
 import triton
 import triton.language as tl
 
+from runtime.kernels.rotary_triton import rotate_pairs
+
 
 @triton.jit
 def _norm_rope(src, w_ptr, cos_row, sin_row, d, inside, eps, dim, dtype: tl.constexpr,
@@ -27,12 +29,7 @@ def _norm_rope(src, w_ptr, cos_row, sin_row, d, inside, eps, dim, dtype: tl.cons
             x = (w * (x * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
             xp = (wp * (xp * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     if HALF > 0:
-        c = tl.load(cos_row + pair, mask=rotated, other=1.0).to(dtype).to(tl.float32)
-        s = tl.load(sin_row + pair, mask=rotated, other=0.0).to(dtype).to(tl.float32)
-        xc = (x * c).to(dtype).to(tl.float32)
-        xs = (xp * s).to(dtype).to(tl.float32)
-        y = tl.where(first, xc - xs, xc + xs)
-        x = tl.where(rotated, y, x)
+        x = rotate_pairs(x, xp, cos_row, sin_row, pair, first, rotated, dtype)
     return x
 
 @triton.jit

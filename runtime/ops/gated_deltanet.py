@@ -24,7 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from runtime.ops.linear import ColumnParallelLinear, RowParallelLinear, new_param, split
+from runtime.ops.linear import ColumnParallelLinear, RowParallelLinear, new_param
+from runtime.ops.mamba import CausalConv1d
 from runtime.ops.norms import GatedRMSNorm
 from runtime.ops.recurrent import RecurrentCache
 
@@ -39,17 +40,6 @@ class RecurrentState(RecurrentCache):
                  dtype: torch.dtype, device: torch.device | str | None = None) -> None:
         super().__init__(torch.zeros(batch_size, conv_dim, kernel - 1, dtype=dtype, device=device),
                          torch.zeros(batch_size, v_heads, k_dim, v_dim, dtype=torch.float32, device=device))
-
-
-class DepthwiseConv(nn.Module):
-    """The checkpoint's `conv1d.weight [channels, 1, kernel]`, no bias (applied by `GatedDeltaNet`); under
-    tensor parallelism this rank's chunk of each of the checkpoint's channel `segments`."""
-
-    def __init__(self, *, segments: tuple[int, ...], kernel: int, tp_rank: int = 0, tp_size: int = 1,
-                 dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        local = sum(split(n, tp_size, "conv1d channels") for n in segments)
-        self.weight = new_param(local, 1, kernel, dtype=dtype, shard=(0, tp_rank, tp_size, segments))
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -145,8 +135,8 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_qkvz = ColumnParallelLinear(in_features=hidden_size, out_features=qkvz, dtype=dtype, **tp)
         self.in_proj_ba = ColumnParallelLinear(in_features=hidden_size, out_features=2 * num_v_heads, dtype=dtype, **tp)
         key_width = num_k_heads * k_head_dim
-        self.conv1d = DepthwiseConv(segments=(key_width, key_width, num_v_heads * v_head_dim), kernel=conv_kernel,
-                                    dtype=dtype, **tp)
+        self.conv1d = CausalConv1d(segments=(key_width, key_width, num_v_heads * v_head_dim), kernel=conv_kernel,
+                                   bias=False, dtype=dtype, **tp)
         self.dt_bias = new_param(local_v, dtype=dtype, shard=(0, tp_rank, tp_size))
         self.A_log = new_param(local_v, dtype=dtype, shard=(0, tp_rank, tp_size))
         self.norm = GatedRMSNorm(hidden_size=v_head_dim, eps=rms_norm_eps, dtype=dtype)
@@ -174,14 +164,13 @@ class GatedDeltaNet(nn.Module):
         batch, seq, _ = hidden.shape
         q, k, v, z, b, a = self._split(hidden)
         mixed = torch.cat((q, k, v.reshape(batch, seq, -1)), dim=-1).transpose(1, 2)   # [B, C, S]
-        weight = self.conv1d.weight
         if cache is None:
             past = mixed.new_zeros(batch, self.conv_dim, self.kernel - 1)
             memory = mixed.new_zeros(batch, self.v_heads, self.k_dim, self.v_dim, dtype=torch.float32)
         else:
             past, memory = cache.start(positions)
         window = torch.cat((past.to(mixed.dtype), mixed), dim=-1)
-        mixed = F.silu(F.conv1d(window.to(weight.dtype), weight, groups=self.conv_dim)).to(hidden.dtype).transpose(1, 2)
+        mixed = F.silu(self.conv1d(window.to(self.conv1d.weight.dtype))).to(hidden.dtype).transpose(1, 2)
         key_width = self.k_heads * self.k_dim
         q, k, v = mixed.split((key_width, key_width, self.v_heads * self.v_dim), dim=-1)
         ratio = self.v_heads // self.k_heads
