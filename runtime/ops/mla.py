@@ -153,8 +153,8 @@ class MLAttention(nn.Module):
         # One key head serves every query head: fold the heads into `seq * heads` query rows of that head
         # (row s * heads + h at position s), so each product is one batched matmul over the cache as stored,
         # on CUDA too. Left as GQA, SDPA repeats the 576-wide cache once per head (deepseek_v3 B=32: 88 ms
-        # a step); folded, its only kernel for 576-wide heads is the memory-efficient one, whose 32-row
-        # tiles give 4 CTAs at B=1 (118 µs a layer on an H200, bench/build.py --profile, 2026-12-01).
+        # a step); folded, its only kernel for 576-wide heads is the memory-efficient one: 118 µs a layer at
+        # B=1 on an H200 (bench/build.py --profile, 2026-12-01), its 32-row tiles leaving most SMs idle.
         rows = q.reshape(batch, seq * heads, 1, -1)
         out = eager_attention(rows, cache.packed, cache.first, positions.repeat_interleave(heads), cache.positions,
                               self.scale)
