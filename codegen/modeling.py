@@ -111,6 +111,7 @@ def _context(decl: Declaration, plan: BuildPlan, registry: Registry, generic: bo
         experts_key=spec.experts_key,
         intermediate_key=spec.intermediate_key,
         mlp_attr=spec.mlp_attr,
+        backbone_names=spec.backbone_names,
         ops_imports=sorted(ops, key=lambda name: (name[0].islower(), name)),
         router_class=spec.router,
         experts_imports=sorted((m, sorted(set(n))) for m, n in imports.items()),
@@ -315,5 +316,5 @@ def _mtp_kind(spec) -> dict:
     """What draft_mtp.py.j2 reads of the family: its MTP layers as `model.layers.<i>` blocks (MTPDraft) or as a
     tree of their own (PredictorMTPDraft, its checkpoint names of the backbone and final norm)."""
     if spec.mtp_tree:
-        return {"draft_class": "PredictorMTPDraft", "mtp_tree": spec.mtp_tree, "names": spec.backbone_names}
-    return {"draft_class": "MTPDraft", "mtp_tree": None, "names": None}
+        return {"draft_class": "PredictorMTPDraft", "mtp_tree": spec.mtp_tree, "backbone_names": spec.backbone_names}
+    return {"draft_class": "MTPDraft", "mtp_tree": None, "backbone_names": None}
