@@ -7,9 +7,12 @@ classes and their imports, the layer table, and the one-paragraph summary at the
 from __future__ import annotations
 
 import re
+from dataclasses import replace
+from types import SimpleNamespace
 
-from codegen.modelspec import normalize
-from codegen.plan import BuildPlan
+from codegen.errors import GenerationError
+from codegen.modelspec import normalize, rope
+from codegen.plan import BuildPlan, LayerPlan, camel, fingerprint
 from codegen.render import py_block, render_python
 from contract import ROLE_NAMES
 from families import FAMILIES, template_name
@@ -31,8 +34,6 @@ def _experts_spec(decl: Declaration, c: dict) -> str:
     inlined = (c["hidden_size"], c[spec.intermediate_key], c[spec.experts_key], c["num_experts_per_tok"])
     resolved = (shape.hidden_size, shape.intermediate_size, shape.num_experts, shape.top_k)
     if inlined != resolved:
-        from codegen.errors import GenerationError
-
         raise GenerationError(f"{decl.model.name}: the experts shape {resolved} the registry resolved differs from the constants {inlined}")
     args = f"activation={shape.activation!r}, expert_bias={shape.expert_bias}"
     if shape.activation == "swiglu_oai":
@@ -52,9 +53,9 @@ def _architecture(spec: FamilySpec, c: dict, plan: BuildPlan) -> list[str]:
     dense = tuple(l.index for l in plan.layers if l.kind != "moe")
     layers = f"{len(plan.layers)} decoder layers, " + ("all MoE" if not dense else f"MoE {span(moe)}, dense {span(dense)}")
     shared = f" + {c['n_shared_experts']} shared" if spec.shared_experts else ""
-    rope = c["rope"]
-    base = int(rope["base"]) if rope["base"] is not None and float(rope["base"]).is_integer() else rope["base"]
-    scaled = f" {rope['scaling']} x{rope['factor']:g}" if rope["scaling"] not in ("default", "none") else ""
+    r = c["rope"]
+    base = int(r["base"]) if r["base"] is not None and float(r["base"]).is_integer() else r["base"]
+    scaled = f" {r['scaling']} x{r['factor']:g}" if r["scaling"] not in ("default", "none") else ""
     attention, rotary = spec.describe_attention(c, f"rotary{scaled}", base)
     first = f"{layers}; {c[spec.experts_key]} routed experts, top-{c['num_experts_per_tok']}{shared}."
     if len(first) > 120:   # interleaved layouts (Nemotron-H's pattern): counts only, the indices would not fit
@@ -110,6 +111,7 @@ def _context(decl: Declaration, plan: BuildPlan, registry: Registry, generic: bo
         experts_key=spec.experts_key,
         intermediate_key=spec.intermediate_key,
         mlp_attr=spec.mlp_attr,
+        backbone_names=spec.backbone_names,
         ops_imports=sorted(ops, key=lambda name: (name[0].islower(), name)),
         router_class=spec.router,
         experts_imports=sorted((m, sorted(set(n))) for m, n in imports.items()),
@@ -156,15 +158,11 @@ def render_draft(decl: Declaration, plan: BuildPlan, registry: Registry, command
         return _render_eagle3(decl, plan, command)
     spec = decl.family
     if draft.kind == "embedded_mtp" and spec.mtp_refusal:
-        from codegen.errors import GenerationError
-
         raise GenerationError(f"{plan.target}: {spec.mtp_refusal}, so {draft.name} has nothing to load; declare an eagle3 or "
                               "external draft for this model")
     stages_of = _stages_families()
     if (draft.kind not in ("embedded_mtp", "replacement_mtp", "draft_stages") or not spec.mtp_draft
             or (draft.kind == "draft_stages" and spec.name not in stages_of)):
-        from codegen.errors import GenerationError
-
         raise GenerationError(
             f"{plan.target}: the runtime builds embedded and replacement-head MTP drafts of {mtp_families()}, draft stages of "
             f"{stages_families()}, external drafters and Eagle3 heads; {draft.name} is a {draft.kind} draft of family "
@@ -189,10 +187,6 @@ def render_draft(decl: Declaration, plan: BuildPlan, registry: Registry, command
 def _drafter(decl: Declaration, plan: BuildPlan) -> tuple[Declaration, BuildPlan]:
     """An external drafter as a model of its own family (its config, its checkpoint) and the plan of its build:
     the target's SM and layout, the draft layers' bindings, the target's honored draft ids as its honored set."""
-    from dataclasses import replace
-
-    from codegen.errors import GenerationError
-    from codegen.plan import LayerPlan, camel
     declared = next(d for d in decl.drafts if d.name == plan.draft.name)
     if not FAMILIES[declared.family].runtime:
         raise GenerationError(
@@ -238,8 +232,6 @@ def eagle3_aux_layers(config: dict, target_layers: int) -> tuple[int, ...]:
 
 def _render_eagle3(decl: Declaration, plan: BuildPlan, command: str) -> str:
     """An Eagle3 head (runtime.ops.eagle3) with the shape its declared config gives (checked when it loaded)."""
-    from codegen.modelspec import rope
-
     c = dict(next(d for d in decl.drafts if d.name == plan.draft.name).config)
     head = {k: c[k] for k in ("vocab_size", "draft_vocab_size", "hidden_size", "target_hidden_size", "intermediate_size")}
     head |= {"num_heads": c["num_attention_heads"], "num_kv_heads": c["num_key_value_heads"], "head_dim": c["head_dim"],
@@ -280,10 +272,6 @@ def render_generic_draft(decl: Declaration, plan: BuildPlan, command: str) -> st
     """The generic build's draft (resolved at load), through the template and runtime class a target's draft of
     that kind uses. Its text reads the model's name, the declared draft's name, kind and first mode and, for draft
     stages, their module under `model.`, and nothing else of the generic plan: its fingerprint is theirs (GN2)."""
-    from types import SimpleNamespace
-
-    from codegen.plan import fingerprint
-
     declared = generic_draft(decl)
     stages = _stages_tree(decl, declared, f"{plan.model}/generic") if declared.kind == "draft_stages" else None
     draft = SimpleNamespace(name=declared.name, kind=declared.kind, mode=declared.modes[0], layers=())
@@ -305,7 +293,6 @@ def _stages_tree(decl: Declaration, declared, site: str) -> str:
     laid out and chained as DeepSeek-V3's MTP layers are (`enorm`, `hnorm`, `eh_proj`, the family's decoder layer,
     `shared_head`, its own `embed_tokens`), named `model.<tree>.<k>` instead of `model.layers.<61 + k>`; its
     experts in their own format (the declaration's quant metadata for that prefix)."""
-    from codegen.errors import GenerationError
 
     found = re.fullmatch(r"model\.([a-z][a-z0-9_]*)\.\{k\}\." + re.escape(decl.family.mlp_attr) + r"\.experts", declared.experts_prefix)
     if found is None or found.group(1) == "layers":
@@ -329,5 +316,5 @@ def _mtp_kind(spec) -> dict:
     """What draft_mtp.py.j2 reads of the family: its MTP layers as `model.layers.<i>` blocks (MTPDraft) or as a
     tree of their own (PredictorMTPDraft, its checkpoint names of the backbone and final norm)."""
     if spec.mtp_tree:
-        return {"draft_class": "PredictorMTPDraft", "mtp_tree": spec.mtp_tree, "names": spec.backbone_names}
-    return {"draft_class": "MTPDraft", "mtp_tree": None, "names": None}
+        return {"draft_class": "PredictorMTPDraft", "mtp_tree": spec.mtp_tree, "backbone_names": spec.backbone_names}
+    return {"draft_class": "MTPDraft", "mtp_tree": None, "backbone_names": None}

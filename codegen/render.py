@@ -59,9 +59,20 @@ def py_block(value, indent: int = 0, width: int = 110, fill: bool = False) -> st
     flat = py(value)
     if indent + len(flat) <= width or not isinstance(value, (dict, list, tuple)) or not value:
         return flat
+    return _lines(value, indent, width, fill)
+
+
+def _lines(value, indent: int, width: int, fill: bool) -> str:
+    """A non-empty dict, list or tuple one item a line (`fill`: scalars packed), its closing bracket at `indent`."""
     pad, inner = " " * indent, " " * (indent + 4)
     if isinstance(value, dict):
-        items = [f"{inner}{py(k)}: {py_block(v, indent + 4, width - len(py(k)) - 2, fill).lstrip()}," for k, v in sorted(value.items())]
+        items = []
+        for k, v in sorted(value.items()):
+            # A value stays after its key when it fits there whole; broken, its lines start at the next indent
+            # and so have the whole width, not what the key leaves.
+            head, flat = f"{inner}{py(k)}: ", py(v)
+            whole = len(head) + len(flat) <= width or not isinstance(v, (dict, list, tuple)) or not v
+            items.append(head + (flat if whole else _lines(v, indent + 4, width, fill)) + ",")
         return "{\n" + "\n".join(items) + f"\n{pad}}}"
     opening, closing = ("(", ")") if isinstance(value, tuple) else ("[", "]")
     if fill and not any(isinstance(v, (dict, list, tuple)) for v in value):
@@ -71,7 +82,7 @@ def py_block(value, indent: int = 0, width: int = 110, fill: bool = False) -> st
                 lines.append("")
             lines[-1] += item + ", "
         return opening + "\n" + "\n".join(f"{inner}{line.rstrip()}" for line in lines) + f"\n{pad}{closing}"
-    items = [f"{inner}{py_block(v, indent + 4, width, fill).lstrip()}," for v in value]
+    items = [f"{inner}{py_block(v, indent + 4, width, fill)}," for v in value]
     return opening + "\n" + "\n".join(items) + f"\n{pad}{closing}"
 
 

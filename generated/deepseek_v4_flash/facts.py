@@ -58,10 +58,7 @@ QUANT = {
         'exclude_modules': [],
         'quant_algo': 'MIXED_PRECISION',
         'quantized_layers': [
-            [
-                'model.draft_stages.*.mlp.experts.*',
-                'W4A16_MXFP4',
-            ],
+            ['model.draft_stages.*.mlp.experts.*', 'W4A16_MXFP4'],
             ['model.layers.*.mlp.experts.*', 'NVFP4'],
         ],
     },

@@ -79,15 +79,7 @@ FACTS = {
                     'num_experts': 8,
                     'top_k': 2,
                 },
-                'sites': [
-                    [
-                        3,
-                        'model.layers.3.mlp.experts',
-                        'bf16',
-                        'unquantized checkpoint',
-                        False,
-                    ],
-                ],
+                'sites': [[3, 'model.layers.3.mlp.experts', 'bf16', 'unquantized checkpoint', False]],
                 'vanilla_with_target': False,
             },
         ],
@@ -103,20 +95,8 @@ FACTS = {
             'top_k': 2,
         },
         'sites': [
-            [
-                1,
-                'model.layers.1.mlp.experts',
-                'bf16',
-                'unquantized checkpoint',
-                False,
-            ],
-            [
-                2,
-                'model.layers.2.mlp.experts',
-                'bf16',
-                'unquantized checkpoint',
-                False,
-            ],
+            [1, 'model.layers.1.mlp.experts', 'bf16', 'unquantized checkpoint', False],
+            [2, 'model.layers.2.mlp.experts', 'bf16', 'unquantized checkpoint', False],
         ],
     },
     'tiny_deepseek_v3_fp8': {

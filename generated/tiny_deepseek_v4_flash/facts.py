@@ -57,12 +57,7 @@ QUANT = {
     'tiny_deepseek_v4_flash_mixed': {
         'exclude_modules': [],
         'quant_algo': 'MIXED_PRECISION',
-        'quantized_layers': [
-            [
-                'model.draft_stages.*.mlp.experts.*',
-                'W4A16_MXFP4',
-            ],
-        ],
+        'quantized_layers': [['model.draft_stages.*.mlp.experts.*', 'W4A16_MXFP4']],
     },
 }
 
@@ -114,20 +109,8 @@ FACTS = {
             'top_k': 2,
         },
         'sites': [
-            [
-                1,
-                'model.layers.1.mlp.experts',
-                'bf16',
-                'not listed under MIXED_PRECISION: unquantized',
-                True,
-            ],
-            [
-                2,
-                'model.layers.2.mlp.experts',
-                'bf16',
-                'not listed under MIXED_PRECISION: unquantized',
-                True,
-            ],
+            [1, 'model.layers.1.mlp.experts', 'bf16', 'not listed under MIXED_PRECISION: unquantized', True],
+            [2, 'model.layers.2.mlp.experts', 'bf16', 'not listed under MIXED_PRECISION: unquantized', True],
         ],
     },
 }

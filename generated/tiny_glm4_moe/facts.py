@@ -62,15 +62,7 @@ FACTS = {
                     'num_experts': 8,
                     'top_k': 2,
                 },
-                'sites': [
-                    [
-                        3,
-                        'model.layers.3.mlp.experts',
-                        'bf16',
-                        'unquantized checkpoint',
-                        False,
-                    ],
-                ],
+                'sites': [[3, 'model.layers.3.mlp.experts', 'bf16', 'unquantized checkpoint', False]],
                 'vanilla_with_target': False,
             },
         ],
@@ -86,20 +78,8 @@ FACTS = {
             'top_k': 2,
         },
         'sites': [
-            [
-                1,
-                'model.layers.1.mlp.experts',
-                'bf16',
-                'unquantized checkpoint',
-                False,
-            ],
-            [
-                2,
-                'model.layers.2.mlp.experts',
-                'bf16',
-                'unquantized checkpoint',
-                False,
-            ],
+            [1, 'model.layers.1.mlp.experts', 'bf16', 'unquantized checkpoint', False],
+            [2, 'model.layers.2.mlp.experts', 'bf16', 'unquantized checkpoint', False],
         ],
     },
 }

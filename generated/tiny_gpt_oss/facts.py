@@ -74,20 +74,8 @@ FACTS = {
             'top_k': 2,
         },
         'sites': [
-            [
-                0,
-                'model.layers.0.mlp.experts',
-                'bf16',
-                'unquantized checkpoint',
-                False,
-            ],
-            [
-                1,
-                'model.layers.1.mlp.experts',
-                'bf16',
-                'unquantized checkpoint',
-                False,
-            ],
+            [0, 'model.layers.0.mlp.experts', 'bf16', 'unquantized checkpoint', False],
+            [1, 'model.layers.1.mlp.experts', 'bf16', 'unquantized checkpoint', False],
         ],
     },
     'tiny_gpt_oss_mxfp4': {
@@ -105,20 +93,8 @@ FACTS = {
             'top_k': 2,
         },
         'sites': [
-            [
-                0,
-                'model.layers.0.mlp.experts',
-                'mxfp4',
-                'checkpoint quant_algo MXFP4',
-                False,
-            ],
-            [
-                1,
-                'model.layers.1.mlp.experts',
-                'mxfp4',
-                'checkpoint quant_algo MXFP4',
-                False,
-            ],
+            [0, 'model.layers.0.mlp.experts', 'mxfp4', 'checkpoint quant_algo MXFP4', False],
+            [1, 'model.layers.1.mlp.experts', 'mxfp4', 'checkpoint quant_algo MXFP4', False],
         ],
     },
 }

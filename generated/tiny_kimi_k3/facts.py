@@ -73,20 +73,8 @@ FACTS = {
                     'top_k': 2,
                 },
                 'sites': [
-                    [
-                        0,
-                        'model.layers.0.mlp.experts',
-                        'bf16',
-                        'unquantized checkpoint',
-                        False,
-                    ],
-                    [
-                        1,
-                        'model.layers.1.mlp.experts',
-                        'bf16',
-                        'unquantized checkpoint',
-                        False,
-                    ],
+                    [0, 'model.layers.0.mlp.experts', 'bf16', 'unquantized checkpoint', False],
+                    [1, 'model.layers.1.mlp.experts', 'bf16', 'unquantized checkpoint', False],
                 ],
                 'vanilla_with_target': False,
             },
@@ -102,15 +90,7 @@ FACTS = {
             'num_experts': 16,
             'top_k': 4,
         },
-        'sites': [
-            [
-                1,
-                'model.layers.1.mlp.experts',
-                'mxfp4',
-                'model default routed format MXFP4',
-                False,
-            ],
-        ],
+        'sites': [[1, 'model.layers.1.mlp.experts', 'mxfp4', 'model default routed format MXFP4', False]],
     },
 }
 

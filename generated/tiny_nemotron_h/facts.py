@@ -65,15 +65,7 @@ FACTS = {
                     'num_experts': 8,
                     'top_k': 2,
                 },
-                'sites': [
-                    [
-                        6,
-                        'mtp.layers.1.mixer.experts',
-                        'bf16',
-                        'unquantized checkpoint',
-                        False,
-                    ],
-                ],
+                'sites': [[6, 'mtp.layers.1.mixer.experts', 'bf16', 'unquantized checkpoint', False]],
                 'vanilla_with_target': True,
             },
         ],
@@ -89,20 +81,8 @@ FACTS = {
             'top_k': 2,
         },
         'sites': [
-            [
-                1,
-                'backbone.layers.1.mixer.experts',
-                'bf16',
-                'unquantized checkpoint',
-                False,
-            ],
-            [
-                3,
-                'backbone.layers.3.mixer.experts',
-                'bf16',
-                'unquantized checkpoint',
-                False,
-            ],
+            [1, 'backbone.layers.1.mixer.experts', 'bf16', 'unquantized checkpoint', False],
+            [3, 'backbone.layers.3.mixer.experts', 'bf16', 'unquantized checkpoint', False],
         ],
     },
 }

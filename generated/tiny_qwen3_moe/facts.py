@@ -64,20 +64,8 @@ FACTS = {
             'top_k': 2,
         },
         'sites': [
-            [
-                0,
-                'model.layers.0.mlp.experts',
-                'bf16',
-                'unquantized checkpoint',
-                False,
-            ],
-            [
-                1,
-                'model.layers.1.mlp.experts',
-                'bf16',
-                'unquantized checkpoint',
-                False,
-            ],
+            [0, 'model.layers.0.mlp.experts', 'bf16', 'unquantized checkpoint', False],
+            [1, 'model.layers.1.mlp.experts', 'bf16', 'unquantized checkpoint', False],
         ],
     },
 }

@@ -63,15 +63,7 @@ FACTS = {
                     'num_experts': 8,
                     'top_k': 2,
                 },
-                'sites': [
-                    [
-                        2,
-                        'mtp.layers.0.mlp.experts',
-                        'bf16',
-                        'unquantized checkpoint',
-                        False,
-                    ],
-                ],
+                'sites': [[2, 'mtp.layers.0.mlp.experts', 'bf16', 'unquantized checkpoint', False]],
                 'vanilla_with_target': False,
             },
         ],
@@ -87,20 +79,8 @@ FACTS = {
             'top_k': 2,
         },
         'sites': [
-            [
-                0,
-                'model.layers.0.mlp.experts',
-                'bf16',
-                'unquantized checkpoint',
-                False,
-            ],
-            [
-                1,
-                'model.layers.1.mlp.experts',
-                'bf16',
-                'unquantized checkpoint',
-                False,
-            ],
+            [0, 'model.layers.0.mlp.experts', 'bf16', 'unquantized checkpoint', False],
+            [1, 'model.layers.1.mlp.experts', 'bf16', 'unquantized checkpoint', False],
         ],
     },
 }

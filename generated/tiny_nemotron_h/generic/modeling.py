@@ -173,7 +173,7 @@ def make_mtp(experts_classes, layout, rank, dtype):
 # What runtime.causal_lm builds the checkpoint's `backbone.*` (embeddings, these layers, norm_f) and `lm_head` from.
 ARCHITECTURE = Architecture(
     vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, make_layer=make_layer, make_norm=make_norm, make_rotary=make_rotary,
-    names=("backbone", "embeddings", "norm_f"),
+    names=('backbone', 'embeddings', 'norm_f'),
 )
 
 
