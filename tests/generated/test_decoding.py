@@ -5,9 +5,12 @@ prints the ids and the rate (issue 12).
 
 The oracle is the build's own uncached full-sequence forward: a different code path (no cache, no decoder,
 keys = the queries' tokens) over the same weights. fp32 builds; TORCH experts still round their GEMM
-inputs to bf16 and group tokens differently for 1 and S tokens (~1e-4 relative, as in
-test_tiny_builds_run), far below the gaps between the top logits that greedy decoding compares.
+inputs to bf16 and group tokens differently for 1 and S tokens: typically ~4e-7 relative, but where an
+activation sits on a bf16 rounding boundary up to 1.4e-3 (tiny_deepseek_v3: 9 of 150 fresh draws above
+1e-3, measured 2026-12-01), hence the 2e-3 bound; a stale cache or position is off by ~1, and all of it is
+far below the gaps between the top logits that greedy decoding compares.
 """
+
 from __future__ import annotations
 
 import re
@@ -17,6 +20,9 @@ import torch
 
 from runtime import decoding
 from tests.generated import builds
+
+# fp32 decode against the full forward (see the module docstring for what is left)
+STEP_TOLERANCE = 2e-3
 
 # One single-rank CPU build per family (the first of each model's targets).
 FAMILY_TARGETS = {}
@@ -42,9 +48,9 @@ def test_decoder_steps_give_the_full_forward_logits(family):
         full = model(ids)
     decoder = model.decoder(2, 9)
     assert (decoder.batch_size, decoder.max_seq_len) == (2, decoding.LENGTH_BUCKET)
-    assert builds.rel_err(decoder.prefill(ids[:, :5]), full[:, 4]) < 1e-3
+    assert builds.rel_err(decoder.prefill(ids[:, :5]), full[:, 4]) < STEP_TOLERANCE
     for t in range(5, 9):
-        assert builds.rel_err(decoder.step(ids[:, t]), full[:, t]) < 1e-3
+        assert builds.rel_err(decoder.step(ids[:, t]), full[:, t]) < STEP_TOLERANCE
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_TARGETS))
