@@ -22,10 +22,13 @@ with an always-agreeing drafter and, for deepseek_v3, its MTP draft, against pla
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import importlib
+import io
 import json
 import os
+import pstats
 import shutil
 import sys
 import tempfile
@@ -260,13 +263,16 @@ def load_build(model: str, sm: int, layers: int, folder: Path, variant: str, dev
     return built.eval()
 
 
-def decode_bytes(config, batch: int, kv_len: int) -> int:
-    """Bytes one decode step must read: every weight it touches, the active experts for uniform routing
+def decode_bytes(config, batch: int, kv_len: int, seqs: int | None = None) -> int:
+    """Bytes one decode step of `batch` tokens over `seqs` sequences (default: one token each; a
+    speculative verify is k+1 tokens of one sequence) must read: every weight it touches, the active
+    experts for uniform routing
     (bf16; MXFP4 at 0.53125 bytes per weight for gpt-oss, its biases bf16; FP8 at 1 byte plus fp32 128x128
     block scales for deepseek_v3, whose other linears the loader dequantizes to bf16), the embedding rows,
     and the KV cache (a sliding layer's window only; MLA's latent and rotated key), all else bf16."""
     c = config
     h = c.hidden_size
+    seqs = batch if seqs is None else seqs
     if c.model_type == "deepseek_v3":
         heads, ql, kl, r = c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim
         attn = 2 * (h * ql + ql * heads * (c.qk_nope_head_dim + r) + h * (kl + r)
@@ -276,7 +282,7 @@ def decode_bytes(config, batch: int, kv_len: int) -> int:
         moe = 2 * experts * h + 4 * experts + active * 3 * h * mi * (1 + 4 / 128**2) + c.n_shared_experts * 3 * h * mi * 2
         dense = min(c.first_k_dense_replace, c.num_hidden_layers)
         layers = c.num_hidden_layers * attn + dense * 3 * h * c.intermediate_size * 2 + (c.num_hidden_layers - dense) * moe
-        cache = c.num_hidden_layers * batch * kv_len * (kl + r) * 2
+        cache = c.num_hidden_layers * seqs * kv_len * (kl + r) * 2
         return int(layers + 2 * (c.vocab_size * h + h + batch * h) + cache)
     heads, kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
     gpt_oss = c.model_type == "gpt_oss"
@@ -287,7 +293,7 @@ def decode_bytes(config, batch: int, kv_len: int) -> int:
     per_expert = 3 * h * inter * 0.53125 + 2 * (3 * inter + h) if gpt_oss else 3 * h * inter * 2
     layer = attn + 2 * (experts * h + h) + active * per_expert
     windows = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
-    cache = sum(batch * (min(kv_len, c.sliding_window) if t == "sliding_attention" else kv_len) * kv * d * 2 * 2
+    cache = sum(seqs * (min(kv_len, c.sliding_window) if t == "sliding_attention" else kv_len) * kv * d * 2 * 2
                 for t in windows)
     return int(c.num_hidden_layers * layer + 2 * (c.vocab_size * h + h + batch * h) + cache)
 
@@ -426,35 +432,76 @@ def transformers_compiled(hf, ids, refs):
     return out
 
 
-def speculative(model, ids, ks, draft=None) -> dict:
+class ReplayDrafter:
+    """A drafter that always agrees and costs almost nothing: it proposes the target's own greedy
+    continuation, recorded by an earlier speculative run at the same k (`tokens`, prompt included, on the
+    device), read at the positions the round asks for. It measures the speculative loop itself (verify, accept, host sync per round) with
+    the drafter's cost taken out: the best any drafter could do with this target. Bench-only: no user has
+    the continuation before decoding it."""
+
+    INPUT = "tokens"
+
+    def __init__(self, tokens: torch.Tensor, vocab: int, dtype: torch.dtype) -> None:
+        self.tokens, self.vocab, self.dtype = tokens, vocab, dtype
+
+    def new_caches(self, batch_size, max_seq_len):
+        return [[]]
+
+    def prefill(self, input_ids, target_hidden, caches):
+        pass
+
+    def forward(self, next_token_ids, target_hidden, positions, cache, step=0):
+        # Entry i (at position i, reading the token at i + 1) predicts the token at position i + 2.
+        ahead = self.tokens[:, (positions + 2).clamp(max=self.tokens.shape[1] - 1)]
+        ahead = ahead.expand(next_token_ids.shape[0], -1)
+        logits = torch.zeros(*ahead.shape, self.vocab, dtype=self.dtype, device=ahead.device)
+        return logits.scatter_(-1, ahead[..., None], 1.0), logits[..., :1]  # no hidden state: a stand-in
+
+
+def speculative(model, ids, ks, config, draft=None) -> dict:
     """Plain greedy decoding (the build's `generate`) against `generate(..., speculative=Speculation(k, d))`
     for each k in `ks`, from one SPEC_PROMPT-token prompt to SPEC_NEW new tokens, the second call of each
     timed (graphs captured by the first). Drafters: the target's own build as an external drafter (it always
-    agrees, up to bf16 near-ties) and `draft` (the build's MTP draft with random weights: honest acceptance,
+    agrees, up to bf16 near-ties), `ReplayDrafter` (always agrees, costs a gather: the loop's ceiling) and `draft` (the build's MTP draft with random weights: honest acceptance,
     the cost of rejected proposals). Per run: rounds, proposed, accepted, acceptance length, tokens/s, the
     ratio to plain decoding and to the §0 goal (0.8 (k+1) x plain), where it first differs from plain
-    greedy (SD1; bf16 near-ties), and the draft and verify phases' graph replays timed alone."""
+    greedy (SD1; bf16 near-ties), and the draft and verify phases' graph replays timed alone.
+
+    `free_draft_ceiling`: the ratio to plain decoding that a drafter costing nothing and always agreeing
+    would reach if the verify of k+1 tokens ran at the plain step's bytes per second: (k+1) x the bytes of a
+    one-token step / the bytes of the k+1-token verify (its tokens reach more experts than one token does)."""
     from runtime.speculative import ExternalDrafter, Speculation, speculative_decoder
 
     prompt = ids[:1, :SPEC_PROMPT]
     model.generate(prompt, SPEC_NEW)
     plain = model.generate(prompt, SPEC_NEW)
+    at = SPEC_PROMPT + SPEC_NEW // 2  # the cache length halfway through the run
     out = {"prompt": SPEC_PROMPT, "new_tokens": SPEC_NEW, "plain_tokens_s": plain.tokens_per_s,
            "plain_step_ms": 1e3 * plain.decode_s / plain.decode_steps}
     print(json.dumps({"speculative": out}), flush=True)
-    drafters = {"agreeing": ExternalDrafter(model, model)}
+    from runtime.drafts import vocab_size
+
+    drafters = {"agreeing": ExternalDrafter(model, model), "replay": None}
     if draft is not None:
         drafters["mtp_random"] = draft
+    continuation = {}
     for label, drafter in drafters.items():
         for k in ks:
+            if label == "replay":
+                # The continuation of the agreeing run at this k: verify blocks of k+1 tokens round near-ties
+                # unlike one-token steps (bf16), so plain greedy output can part from it (SD1 holds up to ties).
+                drafter = ReplayDrafter(continuation[k].to(prompt.device), vocab_size(model), model.dtype)
             spec = Speculation(k, drafter)
             model.generate(prompt, SPEC_NEW, speculative=spec)
             run = model.generate(prompt, SPEC_NEW, speculative=spec)
+            if label == "agreeing":
+                continuation[k] = run.tokens
             differs = (run.tokens != plain.tokens)[0].nonzero()
             ratio = run.tokens_per_s / plain.tokens_per_s
             row = {"k": k, "rounds": run.rounds, "proposed": run.proposed, "accepted": run.accepted,
                    "acceptance_length": run.acceptance_length, "tokens_s": run.tokens_per_s, "x_plain": ratio,
                    "goal_x_plain": 0.8 * (k + 1), "of_goal": ratio / (0.8 * (k + 1)),
+                   "free_draft_ceiling": (k + 1) * decode_bytes(config, 1, at) / decode_bytes(config, k + 1, at, seqs=1),
                    "round_ms": 1e3 * run.decode_s / max(1, run.rounds), "near_ties": run.near_ties,
                    "first_differs_at": int(differs[0]) - SPEC_PROMPT if len(differs) else None}
             decoder = speculative_decoder(model, drafter, k, 1, SPEC_PROMPT + SPEC_NEW)
@@ -499,10 +546,27 @@ def _bmm_folded(q, k, v, qp, kp, scale):
     return torch.matmul(torch.softmax(logits, -1).to(v.dtype), v)
 
 
-def profile_step(model, ids, batch: int, top: int = 14) -> dict:
-    """Device time per kernel name over 3 eager decode steps (the kernels a replay runs)."""
+def kernel_times(fn, calls: int = 3, top: int = 14) -> dict:
+    """Device time per kernel name over `calls` calls of `fn` (torch.profiler), per call."""
     from torch.profiler import ProfilerActivity, profile
 
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0:
+            rows.append((t / calls, e.count // calls, e.key[:90]))
+    rows.sort(reverse=True)
+    return {"total_us": sum(r[0] for r in rows), "kernels_per_call": sum(r[1] for r in rows),
+            "top": [f"{t:8.1f} us x{c:3d} {k}" for t, c, k in rows[:top]]}
+
+
+def profile_step(model, ids, batch: int) -> dict:
+    """Kernel times of one eager decode step (the kernels a replay runs)."""
     from runtime.decoding import Decoder
 
     decoder = Decoder(model, batch, CACHED + 64)
@@ -510,21 +574,37 @@ def profile_step(model, ids, batch: int, top: int = 14) -> dict:
         decoder.prefill(ids[:batch, :CACHED])
         decoder.ids.copy_(ids[:batch, CACHED:CACHED + 1])
         decoder._step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                decoder.position.fill_(CACHED)
-                decoder._step()
+
+        def step():
+            decoder.position.fill_(CACHED)
+            decoder._step()
+
+        return kernel_times(step)
+
+
+def profile_prefill(model, ids, calls: int = 10) -> dict:
+    """Where an eager prefill's time goes: the host's time to enqueue one call (no sync) against its wall
+    time (enqueue + drain), medians over `calls`; when they are close the call is host-bound, and the
+    kernels' own device time (`kernels`) says how much of the wall the GPU is busy; `host_3_calls`: the
+    Python functions the host spends that time in (cProfile over 3 calls, by own time)."""
+    enqueue, wall = [], []
+    with torch.no_grad():
+        for _ in range(calls):
             torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if t > 0:
-            rows.append((t / 3, e.count // 3, e.key[:90]))
-    rows.sort(reverse=True)
-    total = sum(r[0] for r in rows)
-    return {"total_us": total, "kernels_per_step": sum(r[1] for r in rows),
-            "top": [f"{t:8.1f} us x{c:3d} {k}" for t, c, k in rows[:top]]}
+            t0 = time.perf_counter()
+            model(ids[:1])
+            t1 = time.perf_counter()
+            torch.cuda.synchronize()
+            enqueue.append(1e3 * (t1 - t0))
+            wall.append(1e3 * (time.perf_counter() - t0))
+        kernels = kernel_times(lambda: model(ids[:1]))
+        host = cProfile.Profile()
+        host.runcall(lambda: [model(ids[:1]) for _ in range(3)])
+        torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(18)
+    return {"enqueue_ms": sorted(enqueue)[calls // 2], "wall_ms": sorted(wall)[calls // 2], "kernels": kernels,
+            "host_3_calls": [line[:160] for line in text.getvalue().splitlines() if line.strip()][-20:]}
 
 
 def attention_micro():
@@ -566,7 +646,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--variants", default="specialized,generic,torch")
     parser.add_argument("--no-compile", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="kernel times of the specialized build's decode step")
+    parser.add_argument("--profile", action="store_true",
+                        help="each build's kernel times (decode steps at B=1 and 32, prefill) and prefill's host time")
     parser.add_argument("--no-spec", action="store_true", help="leave out the speculative decoding timings")
     parser.add_argument("--spec-k", default="1,3", help="draft tokens per round to time (comma-separated)")
     parser.add_argument("--no-micro", action="store_true", help="leave out the attention micro-benchmark")
@@ -613,14 +694,16 @@ def main() -> None:
             kept[variant] = bench_build(model, variant, ids, refs, results)
             if spec:
                 try:
-                    report["speculative"] = speculative(model, ids, [int(k) for k in args.spec_k.split(",")],
+                    report["speculative"] = speculative(model, ids, [int(k) for k in args.spec_k.split(",")], config,
                                                         getattr(model, "draft", None) if mtp else None)
                 except Exception:  # noqa: BLE001
                     report["speculative_error"] = traceback.format_exc()
                     print(report["speculative_error"], flush=True)
-            if variant == "specialized" and args.profile:
-                report["profile"] = {f"b{b}": profile_step(model, ids, b) for b in (1, 32)}
-                print(json.dumps(report["profile"], indent=1), flush=True)
+            if args.profile:
+                profiled = {f"b{b}": profile_step(model, ids, b) for b in (1, 32)}
+                profiled["prefill"] = profile_prefill(model, ids)
+                report.setdefault("profile", {})[variant] = profiled
+                print(json.dumps({"profile": {variant: profiled}}, indent=1), flush=True)
             del model
         except Exception:  # noqa: BLE001
             results.append({"variant": variant, "error": traceback.format_exc()})
@@ -676,13 +759,14 @@ def main() -> None:
         print(f"\nspeculative (greedy, B=1, {spec['prompt']}-token prompt, {spec['new_tokens']} new): plain "
               f"{spec['plain_tokens_s']:.0f} tokens/s ({spec['plain_step_ms']:.3f} ms a step)")
         print("| drafter | k | accepted / proposed | acceptance length | tokens/s | x plain | of goal 0.8(k+1) | "
-              "round ms (draft, verify phases) | first differs at |")
+              "round ms (draft, verify phases) | first differs at | free-draft ceiling |")
         for name, r in spec.items():
             if isinstance(r, dict):
                 phases = f" ({r['draft_phase_ms']:.3f}, {r['verify_phase_ms']:.3f})" if "draft_phase_ms" in r else ""
                 print(f"| {name.rsplit('_k', 1)[0]} | {r['k']} | {r['accepted']} / {r['proposed']} | "
                       f"{r['acceptance_length']:.2f} | {r['tokens_s']:.0f} | {r['x_plain']:.2f} | {r['of_goal']:.2f} | "
-                      f"{r['round_ms']:.3f}{phases} | {r['first_differs_at']} ({r['near_ties']} near-ties) |")
+                      f"{r['round_ms']:.3f}{phases} | {r['first_differs_at']} ({r['near_ties']} near-ties) | "
+                      f"{r['free_draft_ceiling']:.2f} |")
 
 
 if __name__ == "__main__":

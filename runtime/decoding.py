@@ -54,7 +54,10 @@ class Decoder:
             raise ValueError(f"this decoder takes {self.batch_size} rows of fewer than {self.max_seq_len} tokens, "
                              f"got {list(input_ids.shape)}")
         positions = torch.arange(seq, device=input_ids.device)
-        logits = self.model(input_ids, positions, self.caches)[:, -1]
+        # The head over the last position only: over all of a 2048-token prompt it is 1.3 TFLOP and a 0.6 GB
+        # logits tensor at a 152k vocabulary, for rows nobody reads.
+        hidden = self.model.hidden_states(input_ids, positions, self.caches)
+        logits = self.model.lm_head(hidden[:, -1:])[:, 0]
         self.position.fill_(seq)
         return logits
 

@@ -122,14 +122,15 @@ class SpeculativeDecoder:
         self.draft_probs = None                                   # [B, k, V_target]
         self.vocab_map = None                                     # draft id -> target id, for the probabilities
 
-    def _target_forward(self, ids, positions):
-        """Logits and what the draft reads (final-norm hidden states, aux layer outputs, or None)."""
+    def _target_forward(self, ids, positions, last: bool = False):
+        """Logits (of the last position only with `last`) and what the draft reads (final-norm hidden states,
+        aux layer outputs, or None)."""
         if self.aux_layers:
             final, aux = self.target.hidden_states(ids, positions, self.target_caches, aux_layers=self.aux_layers)
         else:
             final = self.target.hidden_states(ids, positions, self.target_caches)
             aux = final if self.input == "hidden" else None
-        return self.target.lm_head(final), aux
+        return self.target.lm_head(final[:, -1:] if last else final), aux
 
     def _propose(self, logits, step):
         """Draft step `step`'s target ids `[B, S]`: its argmax, or (sampling) a draw from its nucleus, whose
@@ -158,7 +159,7 @@ class SpeculativeDecoder:
         if batch != self.batch_size or n + self.k + 1 > self.max_seq_len:
             raise ValueError(f"this decoder takes {self.batch_size} rows of at most {self.max_seq_len - self.k - 1} "
                              f"tokens, got {list(input_ids.shape)}")
-        logits, hidden = self._target_forward(input_ids, torch.arange(n, device=input_ids.device))
+        logits, hidden = self._target_forward(input_ids, torch.arange(n, device=input_ids.device), last=True)
         if self.generator is None:
             token = logits[:, -1].argmax(dim=-1)
         else:
