@@ -53,6 +53,29 @@ def test_decoder_steps_give_the_full_forward_logits(family):
         assert builds.rel_err(decoder.step(ids[:, t]), full[:, t]) < STEP_TOLERANCE
 
 
+def test_prefill_runs_the_head_over_the_last_position_only():
+    """A prompt's logits are read at its last position: the head sees one row per sequence (plain and
+    speculative prefill), and its logits are still the full forward's there."""
+    from runtime.speculative import ExternalDrafter, Speculation
+
+    model = _model(FAMILY_TARGETS["qwen3_moe"])
+    ids = builds.token_ids(model.lm_head.weight.shape[0], batch=2, length=7)
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, out: seen.append(tuple(args[0].shape[:2])))
+    try:
+        with torch.no_grad():
+            full = model(ids)
+            seen.clear()
+            logits = model.decoder(2, 9).prefill(ids)
+            assert seen == [(2, 1)]
+            assert builds.rel_err(logits, full[:, -1]) < STEP_TOLERANCE
+            seen.clear()
+            model.generate(ids, 2, speculative=Speculation(1, ExternalDrafter(model, model)))
+            assert seen[0] == (2, 1)   # the target's prefill; the drafter's head runs after it
+    finally:
+        hook.remove()
+
+
 @pytest.mark.parametrize("family", sorted(FAMILY_TARGETS))
 def test_greedy_generate_is_the_argmax_of_the_full_forward(family):
     model = _model(FAMILY_TARGETS[family])
