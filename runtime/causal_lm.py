@@ -159,7 +159,7 @@ class CausalLMBuild(CausalLM):
             # A checkpoint of fewer layers than the build (a smoke run's, a benchmark's): say so, not every missing tensor.
             span = f"{backbone}.layers.0" + (f" to {held - 1}" if held > 1 else "")
             raise CheckpointError(
-                f"{path.path} holds {held} decoder layer{'s' if held > 1 else ''} ({span}) and this build {wanted}: "
+                f"{path.path} holds {held} decoder layer{'s' if held > 1 else ''} ({span}) but this build has {wanted}: "
                 f"load it with num_layers={held} (or fewer), or a checkpoint of at least {wanted} layers")
         return load_checkpoint(self, path, ignore=self.ignored_tensors, progress=progress, device=self.device)
 

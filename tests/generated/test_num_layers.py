@@ -91,7 +91,7 @@ def test_a_checkpoint_of_fewer_layers_is_refused_naming_the_count_to_pass():
         with pytest.raises(CheckpointError) as e:
             load_model("tiny_deepseek_v3", 90, checkpoint=str(folder), checkpoint_name="tiny_deepseek_v3_bf16",
                        num_layers=num_layers)
-        assert str(e.value) == (f"{folder} holds 1 decoder layer (model.layers.0) and this build {wanted}: "
+        assert str(e.value) == (f"{folder} holds 1 decoder layer (model.layers.0) but this build has {wanted}: "
                                 f"load it with num_layers=1 (or fewer), or a checkpoint of at least {wanted} layers")
     assert len(load_model("tiny_deepseek_v3", 90, checkpoint=str(folder), checkpoint_name="tiny_deepseek_v3_bf16",
                           num_layers=1).model.layers) == 1
