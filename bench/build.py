@@ -224,42 +224,30 @@ def save_fp8_checkpoint(hf, folder: Path, mtp_layer: int) -> None:
 
 def load_build(model: str, sm: int, layers: int, folder: Path, variant: str, device: str = "cuda", mtp: bool = False,
                experts: int | None = None):
-    """`variant`: specialized (mode require), generic (mode off), torch (generic, backend TORCH); `mtp`:
-    also its embedded MTP draft (`speculative_config` mode mtp, read from the same checkpoint); `experts`:
-    the specialized builds' routed experts cut to that many (a smoke run; the generic build keeps its own)."""
+    """The build's first `layers` decoder layers (`load_model(num_layers=...)`). `variant`: specialized (mode
+    require), generic (mode off), torch (generic, backend TORCH); `mtp`: also its embedded MTP draft
+    (`speculative_config` mode mtp, read from the same checkpoint); `experts`: a bench-only smoke option, the
+    specialized builds' routed experts cut to that many (it changes the model, so the product has no such
+    option; the generic build keeps its own)."""
     from generated import load_model
     from generated._build_index import INDEX
 
-    # The generated builds know the model's full layer plan; this run loads its first `layers` layers.
-    spec = importlib.import_module(INDEX["models"][model]["generic"], "generated")
-    resolve = spec.resolve_build
-
-    def first_layers(*args, **kwargs):
-        built = resolve(*args, **kwargs)
-        return dataclasses.replace(built, layers=built.layers[:layers])
-
-    spec.resolve_build = first_layers
+    kwargs = {"specialized": dict(mode="require"), "generic": dict(mode="off"),
+              "torch": dict(mode="off", moe_config={"backend": "TORCH"})}[variant]
+    if mtp:
+        kwargs["speculative_config"] = {"mode": "mtp"}
     saved = {}
-    for target in INDEX["targets"]:
-        if target["model"] == model:
-            module = importlib.import_module("generated" + target["module"])
-            saved[module] = {n: getattr(module, n) for n in ("LAYERS", "NUM_EXPERTS", "EXPERTS_SPEC") if hasattr(module, n)}
-            # The layer plan's runs, cut after the first `layers` layers.
-            module.LAYERS = tuple((range(r.start, min(r.stop, layers)), i) for r, i in module.LAYERS if r.start < layers)
-            if experts is not None:
-                module.NUM_EXPERTS = experts
-                module.EXPERTS_SPEC = dataclasses.replace(module.EXPERTS_SPEC, num_experts=experts)
+    if experts is not None:
+        # Bench-only: the specialized modules' experts constants (read when a build is constructed), restored below.
+        for module in (importlib.import_module("generated" + t["module"]) for t in INDEX["targets"] if t["model"] == model):
+            saved[module] = (module.NUM_EXPERTS, module.EXPERTS_SPEC)
+            module.NUM_EXPERTS = experts
+            module.EXPERTS_SPEC = dataclasses.replace(module.EXPERTS_SPEC, num_experts=experts)
     try:
-        kwargs = {"specialized": dict(mode="require"), "generic": dict(mode="off"),
-                  "torch": dict(mode="off", moe_config={"backend": "TORCH"})}[variant]
-        if mtp:
-            kwargs["speculative_config"] = {"mode": "mtp"}
-        built = load_model(model, sm, checkpoint=str(folder), device=device, **kwargs)
+        built = load_model(model, sm, checkpoint=str(folder), device=device, num_layers=layers, **kwargs)
     finally:
-        spec.resolve_build = resolve
-        for module, values in saved.items():
-            for name, value in values.items():
-                setattr(module, name, value)
+        for module, (count, spec) in saved.items():
+            module.NUM_EXPERTS, module.EXPERTS_SPEC = count, spec
     return built.eval()
 
 

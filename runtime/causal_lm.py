@@ -11,6 +11,7 @@ Forward and decoding are `runtime.decoding.CausalLM`'s.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 
 from runtime import build
-from runtime.checkpoint import load_checkpoint
+from runtime.checkpoint import CheckpointError, CheckpointReader, load_checkpoint
 from runtime.decoding import CausalLM
 from runtime.ops import LMHead, VocabEmbedding
 from runtime.parallel import Layout, attach_layout
@@ -49,6 +50,39 @@ def layer_ids(runs) -> tuple[str | None, ...]:
     return tuple(ids)
 
 
+def check_num_layers(num_layers, total: int, owner: str, name: str = "num_layers") -> int:
+    """`num_layers` as a count of the decoder layers `owner` (a build of `total` layers) can keep; `name`: how
+    the caller spells the option (`--num-layers` on the command line)."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, numbers.Integral):
+        raise TypeError(f"{name} takes a whole number of decoder layers from 1 to {total}, got {num_layers!r}")
+    if not 1 <= num_layers <= total:
+        raise ValueError(f"{name} takes a number of decoder layers from 1 to {total} ({owner} has {total}), got {num_layers}")
+    return int(num_layers)
+
+
+def first_layers(layers: Sequence[str | None], num_layers: int | None, ignored: Sequence[str], backbone: str, owner: str):
+    """(the first `num_layers` entries of a layer plan, `ignored` plus the checkpoint names of the layers cut away):
+    the build keeps the plan's order, dense layers included, and its loader skips the other layers' tensors unread."""
+    if num_layers is None:
+        return tuple(layers), tuple(ignored)
+    keep = check_num_layers(num_layers, len(layers), owner)
+    return tuple(layers[:keep]), tuple(ignored) + tuple(f"{backbone}.layers.{i}.*" for i in range(keep, len(layers)))
+
+
+def held_layers(reader: CheckpointReader, backbone: str) -> int:
+    """How many decoder layers a checkpoint holds: those of `<backbone>.layers.<i>` present from 0 on."""
+    present = set()
+    for name in reader.names():
+        head, _, rest = name.partition(f"{backbone}.layers.")
+        index = rest.partition(".")[0]
+        if not head and index.isdigit():
+            present.add(int(index))
+    count = 0
+    while count in present:
+        count += 1
+    return count
+
+
 class Backbone(nn.Module):
     """The checkpoint's `model.*`: embedding, decoder layers, final norm, rotary tables."""
 
@@ -71,7 +105,9 @@ class CausalLMBuild(CausalLM):
 
     `implementations`: bound id -> (experts class, backend); `cpu_impls`: the bound ids that also
     run on the host CPU; `layers`: per decoder layer its bound id, None for a dense MLP; `ignored`: the
-    checkpoint tensors the build does not read (fnmatch patterns; the loader refuses any other unread one).
+    checkpoint tensors the build does not read (fnmatch patterns; the loader refuses any other unread one);
+    `num_layers`: build only the plan's first that many layers (dense ones included), reading only their tensors
+    (a smoke run of a large checkpoint, a benchmark of a few layers; None: all of them).
     """
 
     def __init__(
@@ -89,9 +125,13 @@ class CausalLMBuild(CausalLM):
         device="cpu",
         rank: int = 0,
         dtype: torch.dtype = torch.bfloat16,
+        num_layers: int | None = None,
     ):
         super().__init__()
-        self.layout, self.ignored_tensors = layout, tuple(ignored)
+        layers, ignored = first_layers(layers, num_layers, ignored, arch.names[0], target)
+        # Only the kept layers' implementations: a cut build neither constructs nor logs (RULES LR6) the others.
+        implementations = {i: impl for i, impl in implementations.items() if num_layers is None or i in layers}
+        self.layout, self.ignored_tensors = layout, ignored
         build.check_placement(target, sm, device, implementations, tuple(cpu_impls), owner=self)
         # Refuses a torch.distributed world that does not fit the layout before any collective runs.
         attach_layout(self, target, parallel, layout, rank)
@@ -100,6 +140,7 @@ class CausalLMBuild(CausalLM):
         self.rank, self.device, self.dtype = rank, torch.device(device), dtype
         with torch.device(device):
             setattr(self, arch.names[0], Backbone(arch, experts_classes, layout, rank, dtype))
+            self._backbone = arch.names[0]
             if arch.names[0] != "model":
                 self.__dict__["model"] = getattr(self, arch.names[0])   # the alias runtime.decoding reads
             self.lm_head = LMHead(
@@ -108,7 +149,18 @@ class CausalLMBuild(CausalLM):
         build.log_implementations(implementations)
 
     def load_checkpoint(self, path, progress=None):
-        """Read this rank's weights from an HF checkpoint folder (a failed load changes nothing)."""
+        """Read this rank's weights from an HF checkpoint folder (or an open `CheckpointReader`; a failed load changes nothing)."""
+        if not isinstance(path, CheckpointReader):
+            with CheckpointReader(path) as reader:
+                return self.load_checkpoint(reader, progress)
+        backbone, wanted = self._backbone, len(self.model.layers)
+        held = held_layers(path, backbone)
+        if 0 < held < wanted:
+            # A checkpoint of fewer layers than the build (a smoke run's, a benchmark's): say so, not every missing tensor.
+            span = f"{backbone}.layers.0" + (f" to {held - 1}" if held > 1 else "")
+            raise CheckpointError(
+                f"{path.path} holds {held} decoder layer{'s' if held > 1 else ''} ({span}) but this build has {wanted}: "
+                f"load it with num_layers={held} (or fewer), or a checkpoint of at least {wanted} layers")
         return load_checkpoint(self, path, ignore=self.ignored_tensors, progress=progress, device=self.device)
 
     def init_random(self, seed=0):

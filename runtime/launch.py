@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from runtime import parallel
+from runtime.causal_lm import check_num_layers
 from runtime.parallel import DEFAULT_TIMEOUT_S, Layout
 from runtime.processes import LaunchError, backend_for, init_distributed, launch, rank_device
 
@@ -49,6 +50,7 @@ class ForwardJob:
     generate: int = 0                # > 0: greedy-decode this many tokens after the prompt (`model.generate`)
     spec_mode: str | None = None     # speculative_config.mode: load the target with its draft
     draft_tokens: int = 0            # > 0: decode speculatively, the draft proposing this many per round
+    num_layers: int | None = None    # build only the first this many decoder layers (a smoke run of a large checkpoint)
 
 
 def forward_rank(load_model: Callable, job: ForwardJob, rank: int, device: str) -> dict:
@@ -61,6 +63,8 @@ def forward_rank(load_model: Callable, job: ForwardJob, rank: int, device: str) 
     kwargs = {} if job.moe_config is None else {"moe_config": job.moe_config}
     if job.spec_mode is not None:
         kwargs["speculative_config"] = {"mode": job.spec_mode}
+    if job.num_layers is not None:
+        kwargs["num_layers"] = job.num_layers
     model = build(job.model, job.sm, job.parallel, checkpoint=job.checkpoint, checkpoint_name=job.checkpoint_name,
                   device=device, mode=job.mode, rank=rank, seed=job.seed, **kwargs)
     model.eval()
@@ -105,6 +109,7 @@ class RunTarget:
     layout: Layout
     vocab_size: int
     checkpoint_name: str
+    num_layers: int             # the model's decoder layers (its layer plan's)
 
 
 def _parse_tokens(rows: Sequence[str] | None, vocab: int, dp: int, seq_len: int, seed: int) -> torch.Tensor:
@@ -181,6 +186,8 @@ def _parser(prog: str, spec_modes: Sequence[str] = ()) -> argparse.ArgumentParse
                    help="speculative_config.mode: load the target with the draft this mode needs")
     p.add_argument("--draft-tokens", type=int, metavar="K",
                    help="with --spec-mode and --generate: the draft proposes K tokens per target step (default 1)")
+    p.add_argument("--num-layers", type=int, metavar="N",
+                   help="build only the first N decoder layers and read only their tensors (a smoke run)")
     p.add_argument("--logits-out", help="write rank 0's logits and the run's description here (torch.save)")
     p.add_argument("--tiny-dir", help="with --tiny: write the checkpoint here (kept) instead of a temporary folder")
     return p
@@ -238,6 +245,11 @@ def main(argv: Sequence[str] | None = None, *, load_model: Callable, describe: C
     if args.spec_mode is not None and target.layout.dp > 1:
         return refuse(f"speculative decoding needs every rank to accept the same tokens; {target.parallel} runs "
                       f"{target.layout.dp} data-parallel replicas: use a layout without attention data parallelism")
+    if args.num_layers is not None:
+        try:
+            check_num_layers(args.num_layers, target.num_layers, target.name, "--num-layers")
+        except ValueError as e:
+            return refuse(str(e))
     if args.generate and args.logits_out:
         return refuse("--logits-out writes a forward's logits; it does not combine with --generate")
     if tokens.shape[0] % target.layout.dp:
@@ -257,7 +269,8 @@ def main(argv: Sequence[str] | None = None, *, load_model: Callable, describe: C
         selection = {k: v for k, v in (("backend", args.backend), ("tactic", args.tactic)) if v is not None}
         job = ForwardJob(args.model, args.sm, args.parallel, str(checkpoint), target.checkpoint_name, tokens,
                          mode=args.mode, seed=args.seed, moe_config=selection or None, generate=args.generate,
-                         spec_mode=args.spec_mode, draft_tokens=(args.draft_tokens or 1) if args.spec_mode else 0)
+                         spec_mode=args.spec_mode, draft_tokens=(args.draft_tokens or 1) if args.spec_mode else 0,
+                         num_layers=args.num_layers)
         if torchrun:
             rank, world = init_distributed(args.device, timeout_s)
             device = rank_device(args.device, int(os.environ.get("LOCAL_RANK", rank)))

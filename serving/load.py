@@ -125,6 +125,7 @@ class Builds:
         seed=0,
         dtype=None,
         draft_checkpoint=None,
+        num_layers=None,
     ):
         """Build `model` for (checkpoint, sm, parallel) and load its weights (a checkpoint folder, or random).
 
@@ -133,6 +134,9 @@ class Builds:
 
         `dtype` is the build's activation and parameter dtype (default: the build's own, bfloat16).
         `device="meta"` without a checkpoint builds the structure only, allocating nothing.
+        `num_layers=N` builds only the first N decoder layers of the layer plan (dense ones included, in its
+        order) and reads only their tensors: a checkpoint may hold more layers, never fewer; a draft still
+        reads its own tensors where they are (an embedded MTP layer at the full model's index).
         Returns the model (a torch module); under a neural speculative mode its draft build is `model.draft`
         (`model.generate(..., speculative=k)` decodes with it). Raises a moegen error naming what did not match under `require`.
         """
@@ -153,10 +157,10 @@ class Builds:
             log.log(logging.INFO if mode == "off" else logging.WARNING, "%s; loading the generic build %s", reason, module.__name__)
         extra = {} if dtype is None else {"dtype": dtype}
         if chosen.kind == "specialized":
-            built = module.MODEL_CLASS(device=device, rank=rank, **extra)
+            built = module.MODEL_CLASS(device=device, rank=rank, num_layers=num_layers, **extra)
         else:
             built = module.MODEL_CLASS(
-                checkpoint=name, sm=sm, parallel=parallel, selection=selection, device=device, rank=rank, **extra
+                checkpoint=name, sm=sm, parallel=parallel, selection=selection, device=device, rank=rank, num_layers=num_layers, **extra
             )
         if checkpoint is not None:
             built.load_checkpoint(checkpoint)
@@ -191,6 +195,12 @@ class Builds:
             kind = generic["kind"]
             draft = self.module(generic["module"]).DRAFT_CLASS(
                 checkpoint=name, sm=sm, parallel=parallel, selection=selection, device=device, rank=rank, **extra)
+        aux, kept = tuple(getattr(draft, "AUX_LAYERS", ())), len(target.model.layers)
+        if aux and max(aux) >= kept:
+            from registry.errors import SelectionError
+
+            raise SelectionError(f"the {kind} draft of {model} reads the outputs of target layers {', '.join(map(str, aux))}; "
+                                 f"num_layers={kept} keeps layers 0 to {kept - 1}: pass num_layers={max(aux) + 1} or more")
         own = draft_checkpoint
         if own is None and checkpoint is not None:
             if kind not in EMBEDDED_DRAFT_KINDS:

@@ -52,6 +52,7 @@ class Launcher:
         return launch.RunTarget(
             name=f"{name}__sm_{sm}__{parallel}", parallel=parallel, layout=layout,
             vocab_size=facts.CONFIG["vocab_size"], checkpoint_name=name,
+            num_layers=self.builds.module(self.builds.index["models"][model]["generic"]).NUM_TARGET_LAYERS,
         )
 
     def write_tiny(self, model, sm, checkpoint_name, folder, seed=0):

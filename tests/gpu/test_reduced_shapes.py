@@ -2,9 +2,10 @@
 replay equals the eager step and the decode steps give the full forward's logits (issue 12, "Done when").
 
 Builds: qwen3_30b_a3b (bf16), gpt_oss_120b (MXFP4, sinks, a sliding and a full layer) and deepseek_v3 (FP8
-128x128 blocks, MLA, grouped sigmoid router), each cut to 2 decoder layers (deepseek_v3: 1 dense + 1 MoE)
-with a 512-token vocabulary; gpt-oss and deepseek keep 32 of their routed experts (qwen3 all 128) to bound
-the checkpoint. Every other shape (hidden, heads, head dims, LoRA ranks, expert widths) is the model's own.
+128x128 blocks, MLA, grouped sigmoid router), each its first decoder layers (`num_layers`: 2; deepseek_v3 4,
+its 3 dense layers and 1 MoE layer) with a 512-token vocabulary; gpt-oss and deepseek keep 32 of their routed
+experts (qwen3 all 128) to bound the checkpoint. Every other shape (hidden, heads, head dims, LoRA ranks,
+expert widths) is the model's own.
 Weights: transformers' model of that reduced config with random values (std 0.02, as bench/build.py: the
 tiny tests' 0.08 would blow up at these widths), saved by `save_pretrained` and, for gpt-oss and deepseek,
 converted to the hub's MXFP4 / FP8 layouts (tests/generated/builds.py, runtime.checkpoint.writer); the
@@ -21,49 +22,40 @@ import importlib
 import pytest
 import torch
 
+from runtime.causal_lm import layer_ids
 from tests.generated import builds
 from tests.gpu.test_decode_graphs import _check_decoding
 
 pytestmark = pytest.mark.gpu
 
 VOCAB = 512
-LAYERS = 2
-# model -> (its sm_90 tp1 build, routed experts kept (None: all), transformers' key for them, tolerance)
+# model -> (its sm_90 tp1 build, decoder layers kept, routed experts kept (None: all), transformers' key, tolerance)
 CASES = {
-    "qwen3_30b_a3b": ("qwen3_30b_a3b_bf16__sm_90__tp1", None, "num_experts", 2e-2),
-    "gpt_oss_120b": ("gpt_oss_120b_mxfp4__sm_90__tp1", 32, "num_local_experts", 2e-2),
-    "deepseek_v3": ("deepseek_v3_fp8__sm_90__tp1", 32, "n_routed_experts", 5e-2),
+    "qwen3_30b_a3b": ("qwen3_30b_a3b_bf16__sm_90__tp1", 2, None, "num_experts", 2e-2),
+    "gpt_oss_120b": ("gpt_oss_120b_mxfp4__sm_90__tp1", 2, 32, "num_local_experts", 2e-2),
+    "deepseek_v3": ("deepseek_v3_fp8__sm_90__tp1", 4, 32, "n_routed_experts", 5e-2),
 }
 
 
-def _reduce(mod, monkeypatch, experts):
-    """The build module cut to LAYERS layers, VOCAB ids and `experts` routed experts (its constants are read
-    when the model is constructed; ARCHITECTURE captured the vocabulary when the module loaded)."""
-    moe = next(impl for _, impl in mod.LAYERS if impl is not None)
-    dense = min(1, sum(len(r) for r, impl in mod.LAYERS if impl is None))  # deepseek: keep one dense layer
-    plan = ((range(0, dense), None),) if dense else ()
-    monkeypatch.setattr(mod, "LAYERS", plan + ((range(dense, LAYERS), moe),))
+def _shrink(mod, monkeypatch, experts):
+    """The build module with a VOCAB-id vocabulary and `experts` routed experts (its constants are read when the
+    model is constructed; ARCHITECTURE captured the vocabulary when the module loaded): the test's own shapes."""
     monkeypatch.setattr(mod, "ARCHITECTURE", dataclasses.replace(mod.ARCHITECTURE, vocab_size=VOCAB))
     if experts is not None:
         monkeypatch.setattr(mod, "NUM_EXPERTS", experts)
         monkeypatch.setattr(mod, "EXPERTS_SPEC", dataclasses.replace(mod.EXPERTS_SPEC, num_experts=experts))
-    if hasattr(mod, "SLIDING_WINDOWS"):
-        monkeypatch.setattr(mod, "SLIDING_WINDOWS", mod.SLIDING_WINDOWS[:LAYERS])
-    return dense
 
 
-def _checkpoint(model, dense, experts, key, tmp_path, device="cuda"):
+def _checkpoint(model, layers, experts, key, tmp_path, device="cuda"):
     """transformers' reduced model, random, saved; in the hub's quantized layout where the build reads one."""
     from transformers import AutoModelForCausalLM
 
     config = {k: v for k, v in builds.facts(model).CONFIG.items() if k != "architectures"}
-    overrides = {"num_hidden_layers": LAYERS, "vocab_size": VOCAB}
+    overrides = {"num_hidden_layers": layers, "vocab_size": VOCAB}
     if experts is not None:
         overrides[key] = experts
     if "layer_types" in config:
-        overrides["layer_types"] = config["layer_types"][:LAYERS]
-    if "first_k_dense_replace" in config:
-        overrides["first_k_dense_replace"] = dense
+        overrides["layer_types"] = config["layer_types"][:layers]
     torch.manual_seed(0)
     with torch.device(device):
         hf = AutoModelForCausalLM.from_config(builds.hf_config(model, **overrides), dtype=torch.bfloat16)
@@ -80,13 +72,13 @@ def _checkpoint(model, dense, experts, key, tmp_path, device="cuda"):
 
 @pytest.mark.parametrize("model", sorted(CASES))
 def test_a_reduced_real_shape_build_replays_its_step_and_decodes_its_full_forward(model, monkeypatch, tmp_path):
-    target, experts, key, tolerance = CASES[model]
+    target, layers, experts, key, tolerance = CASES[model]
     mod = importlib.import_module(f"generated.{model}.{target}.modeling")
-    dense = _reduce(mod, monkeypatch, experts)
-    folder = _checkpoint(model, dense, experts, key, tmp_path)
-    built = mod.MODEL_CLASS(device="cuda")
+    _shrink(mod, monkeypatch, experts)
+    folder = _checkpoint(model, layers, experts, key, tmp_path)
+    built = mod.MODEL_CLASS(device="cuda", num_layers=layers)
     built.load_checkpoint(folder)
-    assert len(built.model.layers) == LAYERS and built.lm_head.weight.shape[0] == VOCAB
-    assert [type(m) for m in built.modules() if hasattr(m, "IMPL_ID")] == [mod.IMPLEMENTATIONS[
-        next(i for _, i in mod.LAYERS if i is not None)][0]] * (LAYERS - dense)
+    assert len(built.model.layers) == layers and built.lm_head.weight.shape[0] == VOCAB
+    moe = [mod.IMPLEMENTATIONS[i][0] for i in layer_ids(mod.LAYERS)[:layers] if i is not None]
+    assert moe and [type(m) for m in built.modules() if hasattr(m, "IMPL_ID")] == moe
     _check_decoding(built.eval(), tolerance, every_position=False)

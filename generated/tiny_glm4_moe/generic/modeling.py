@@ -136,7 +136,7 @@ class TinyGlm4MoeGenericForCausalLM(CausalLMBuild):
     construction and loading are `runtime.causal_lm.CausalLMBuild`'s, its decoding (`decoder`, `generate`)
     `runtime.decoding.CausalLM`'s: this class resolves what the build binds when it loads."""
 
-    def __init__(self, checkpoint, sm, parallel="tp1", selection=None, device="cpu", rank=0, dtype=torch.bfloat16):
+    def __init__(self, checkpoint, sm, parallel="tp1", selection=None, device="cpu", rank=0, dtype=torch.bfloat16, num_layers=None):
         # The generic build's one difference from a specialized one: it resolves its layers here, at
         # load, through the same resolution code the generator runs (RULES GN1).
         built = resolve_build(FACTS, PROFILES, checkpoint, sm, parallel, NUM_TARGET_LAYERS, selection)
@@ -148,6 +148,7 @@ class TinyGlm4MoeGenericForCausalLM(CausalLMBuild):
         super().__init__(
             ARCHITECTURE, target=TARGET, sm=sm, parallel=parallel, layout=Layout(*built.layout), implementations=implementations,
             cpu_impls=built.cpu_impls, layers=built.layers, ignored=IGNORED_TENSORS, device=device, rank=rank, dtype=dtype,
+            num_layers=num_layers,
         )
         self.resolution = built.resolution
 

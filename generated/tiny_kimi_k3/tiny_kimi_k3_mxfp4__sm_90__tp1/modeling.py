@@ -168,10 +168,11 @@ class TinyKimiK3Mxfp4Sm90Tp1ForCausalLM(CausalLMBuild):
     construction and loading are `runtime.causal_lm.CausalLMBuild`'s, its decoding (`decoder`, `generate`)
     `runtime.decoding.CausalLM`'s: this class states what the build binds."""
 
-    def __init__(self, device="cpu", rank=0, dtype=torch.bfloat16):
+    def __init__(self, device="cpu", rank=0, dtype=torch.bfloat16, num_layers=None):
         super().__init__(
             ARCHITECTURE, target=TARGET, sm=SM, parallel=PARALLEL, layout=LAYOUT, implementations=IMPLEMENTATIONS,
             cpu_impls=CPU_IMPLS, layers=layer_ids(LAYERS), ignored=IGNORED_TENSORS, device=device, rank=rank, dtype=dtype,
+            num_layers=num_layers,
         )
 
 
