@@ -105,6 +105,34 @@ def test_fused_step_matches_the_op_by_op_path_and_float64(case, seq, monkeypatch
     assert torch.equal(cache.first[:, :, outside.cuda()].cpu().double(), ref.first[:, :, outside])
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_full_forward_takes_the_one_launch_into_fresh_buffers(case, monkeypatch):
+    """Without a cache (a whole prompt, positions offset from 0) the kernel writes keys and values into
+    fresh [B, H, S, D] buffers: the output equals the op-by-op CUDA path and float64, sliding windows and
+    sinks included, and the kernel did run."""
+    options, rotary_dim = CASES[case]
+    gen = _gen()
+    attn = _module(options, torch.bfloat16, "cuda", gen)
+    batch, seq = 2, 37
+    positions = torch.arange(5, 5 + seq, device="cuda")
+    cos, sin = (t.cuda() for t in RotaryEmbedding(rotary_dim=rotary_dim, base=10000.0)(positions))
+    hidden = torch.randn(batch, seq, HIDDEN, generator=gen, device="cuda").to(torch.bfloat16)
+    launches = []
+    real_apply = rotary_cache.apply
+    monkeypatch.setattr(rotary_cache, "apply", lambda *a, **k: launches.append(1) or real_apply(*a, **k))
+    with torch.no_grad():
+        out = attn(hidden, positions, cos, sin)
+        assert launches == [1]
+        with monkeypatch.context() as m:
+            m.setattr(rotary_cache, "applies", lambda *a: False)
+            op_out = attn(hidden, positions, cos, sin)
+        cpu = _module(options, torch.float64, "cpu", None)
+        cpu.load_state_dict({k: v.double().cpu() for k, v in attn.state_dict().items()})
+        ref_out = cpu(hidden.double().cpu(), positions.cpu(), cos.cpu().double(), sin.cpu().double())
+    assert _rel(out, op_out) < 5e-3
+    assert _rel(out, ref_out) < 2e-2
+
+
 def test_the_fused_step_replays_in_a_cuda_graph():
     options, rotary_dim = CASES["qwen3_next_gated"]
     gen = _gen(3)
