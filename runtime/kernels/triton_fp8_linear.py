@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from runtime.kernels.triton_grouped import block_scaled_dot, program_tiles, quant_1x128
+from runtime.kernels.triton_grouped import block_scaled_dot, program_tiles, quant_1x128, round_to_grid
 
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
@@ -32,6 +32,15 @@ DECODE_MAX_ROWS = 64
 DECODE_BN, DECODE_WARPS, DECODE_STAGES = 64, 4, 4
 DECODE_WAVES = 2
 QUANT_ROWS = 8
+# (mantissa bits, smallest normal exponent) of the output dtypes rounded explicitly (fp32: none).
+_GRID = {torch.bfloat16: (7, -126), torch.float16: (10, -14), torch.float32: (0, 0)}
+
+
+@triton.jit
+def _out(acc, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+    if MANT:
+        acc = round_to_grid(acc, MANT, MIN_EXP)
+    return acc
 
 
 @triton.jit
@@ -49,7 +58,8 @@ def quant_act(x_ptr, q_ptr, s_ptr, M, K, KB, ROWS: tl.constexpr):
 
 @triton.jit
 def linear(a_desc, sa_ptr, w_desc, sw_ptr, y_ptr, M, N, K, KB, K_SPLIT,
-           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr):
+           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, SPLIT: tl.constexpr,
+           MANT: tl.constexpr, MIN_EXP: tl.constexpr):
     pid_m, pid_n = program_tiles(tl.program_id(0), tl.cdiv(M, BM), tl.cdiv(N, BN), GROUP_M)
     split = tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
@@ -66,17 +76,17 @@ def linear(a_desc, sa_ptr, w_desc, sw_ptr, y_ptr, M, N, K, KB, K_SPLIT,
     if SPLIT:
         tl.store(y_ptr + split.to(tl.int64) * M * N + offs, acc, mask=mask)
     else:
-        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + offs, _out(acc, MANT, MIN_EXP).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def splitk_sum(p_ptr, y_ptr, MN, SPLITS, BLOCK_E: tl.constexpr):
+def splitk_sum(p_ptr, y_ptr, MN, SPLITS, BLOCK_E: tl.constexpr, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
     mask = offs < MN
     acc = tl.zeros([BLOCK_E], dtype=tl.float32)
     for s in range(0, SPLITS):
         acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + offs, _out(acc, MANT, MIN_EXP).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,15 +117,19 @@ def fp8_block_linear(x: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, cfg=Non
     xq = torch.empty((m, k), dtype=FP8, device=x.device)
     xs = torch.empty((m, kb), dtype=torch.float32, device=x.device)
     quant_act[(triton.cdiv(m, QUANT_ROWS), kb)](x, xq, xs, m, k, kb, ROWS=QUANT_ROWS, num_warps=4)
-    bm, bn, warps, stages, group_m, split = cfg or plan(m, n, k, _sms(x.device.index or 0))
+    # on the CPU (Triton's interpreter, in tests) the plan is an H200's
+    sms = _sms(x.device.index or 0) if x.is_cuda else 132
+    bm, bn, warps, stages, group_m, split = cfg or plan(m, n, k, sms)
     blocks = triton.cdiv(kb, split)
     split = triton.cdiv(kb, blocks)   # no empty split
     a_desc = TensorDescriptor.from_tensor(xq, [bm, BLOCK])
     w_desc = TensorDescriptor.from_tensor(w, [bn, BLOCK])
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
     out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    mant, min_exp = _GRID[x.dtype]
     linear[grid](a_desc, xs, w_desc, ws, out, m, n, k, kb, blocks * BLOCK, BM=bm, BN=bn, BK=BLOCK,
-                 GROUP_M=group_m, SPLIT=split > 1, num_warps=warps, num_stages=stages)
+                 GROUP_M=group_m, SPLIT=split > 1, MANT=mant, MIN_EXP=min_exp, num_warps=warps, num_stages=stages)
     if split > 1:
-        splitk_sum[(triton.cdiv(m * n, 1024),)](out, y, m * n, split, BLOCK_E=1024, num_warps=4)
+        splitk_sum[(triton.cdiv(m * n, 1024),)](out, y, m * n, split, BLOCK_E=1024, MANT=mant, MIN_EXP=min_exp,
+                                                num_warps=4)
     return y

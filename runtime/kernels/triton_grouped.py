@@ -49,13 +49,14 @@ def program_tiles(pid, max_tiles, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _e4m3_grid(v):
-    """fp32 `v` (|v| <= 448) rounded to nearest even on the E4M3 grid, so the cast to E4M3 is exact:
-    adding and subtracting 1.5 * 2^23 ulps rounds at v's E4M3 spacing (ulp = 2^(exponent - 3), 2^-9
-    below 2^-6 where E4M3 is subnormal). The GPU's cast rounds the same; Triton's CPU interpreter
-    rounds without carrying into the exponent (124.3 -> 64), and the tests run there."""
-    e = tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 - 6)
-    c = ((e + 20) << 23 | 0x400000).to(tl.float32, bitcast=True)
+def round_to_grid(v, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
+    """fp32 `v` rounded to nearest even on the grid of a float format with MANT mantissa bits and
+    smallest normal exponent MIN_EXP, so the cast to that format is exact: adding and subtracting
+    1.5 * 2^23 ulps rounds at v's spacing (ulp = 2^(exponent - MANT), fixed below 2^MIN_EXP where the
+    format is subnormal). The GPU's casts round the same; Triton's CPU interpreter, where the tests
+    run, rounds without carrying into the exponent (E4M3: 124.3 -> 64) or truncates (bf16)."""
+    e = tl.minimum(tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 + MIN_EXP), 231 + MANT)
+    c = ((e + 23 - MANT) << 23 | 0x400000).to(tl.float32, bitcast=True)
     return (v + c) - c
 
 
@@ -65,7 +66,7 @@ def quant_1x128(xf):
     runtime/formats/fp8.quantize_act_groups computes it (scale = max(amax, 1e-4) / 448, codes saturated)."""
     scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-4), 448.0)
     q = tl.minimum(tl.maximum(tl.math.div_rn(xf, scale[:, None]), -448.0), 448.0)
-    return _e4m3_grid(q).to(tl.float8e4nv), scale
+    return round_to_grid(q, 3, -6).to(tl.float8e4nv), scale
 
 
 @triton.jit
