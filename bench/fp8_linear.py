@@ -10,12 +10,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.formats import fp8
-from runtime.kernels import triton_fp8_linear as L
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from runtime.formats import fp8  # noqa: E402
+from runtime.kernels import triton_fp8_linear as L  # noqa: E402
 
 SHAPES = [(7168, 18432), (18432, 7168), (7168, 1536), (7168, 576), (1536, 24576), (16384, 7168)]
 ROWS = (1, 32, 2048)
