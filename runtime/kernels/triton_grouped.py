@@ -179,7 +179,7 @@ def gemm2(h_desc, hs_ptr, w_desc, ws_ptr, offs_ptr, tile_expert_ptr, tile_row_pt
     acc = block_scaled_dot(h_desc, row0, sa_ptrs, w_desc, w_row0, sb_ptrs, 0, INTER,
                            tl.zeros([BM, BN], dtype=tl.float32), FP8, BK)
     out = y_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :]
-    tl.store(out, acc.to(tl.bfloat16), mask=rmask[:, None] & (cols < H)[None, :])
+    tl.store(out, round_to_grid(acc, 7, -126).to(tl.bfloat16), mask=rmask[:, None] & (cols < H)[None, :])
 
 
 def _desc(t2d, block):

@@ -62,3 +62,24 @@ def test_bf16_inputs_give_bf16_outputs():
     assert y.dtype == torch.bfloat16
     # the output rounded to bf16 once, to nearest even: bf16's own error (measured 1.7e-3), no more
     assert rel(y, reference(x, codes, scale)) <= 2.5e-3
+
+
+def test_the_experts_gemm2_sharing_the_k_loop_still_computes_each_expert_s_product():
+    """runtime/kernels/triton_grouped.gemm2 runs the same `block_scaled_dot` over routed token tiles: expert 0
+    owns sorted rows 0-4, expert 1 rows 5-20, and a third tile past num_tiles does nothing."""
+    from runtime.kernels import triton_grouped as T
+
+    gen = torch.Generator().manual_seed(11)
+    hidden, inter, rows = 256, 384, 21
+    w, ws = zip(*(quantize_blocks(torch.randn(hidden, inter, generator=gen) * 0.05) for _ in range(2)))
+    x = torch.randn(rows, inter, generator=gen)
+    h = torch.empty(rows, inter, dtype=torch.float8_e4m3fn)
+    hs = torch.empty(rows, 3)
+    L.quant_act[(3, 3)](x, h, hs, rows, inter, 3, ROWS=8)
+    offs = torch.tensor([0, 5, 21], dtype=torch.int32)
+    tile_expert, tile_row = torch.tensor([0, 1, 0], dtype=torch.int32), torch.tensor([0, 5, 0], dtype=torch.int32)
+    y = torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16)
+    T.launch_gemm2(h, hs, torch.stack(w), torch.stack(ws), offs, tile_expert, tile_row, torch.tensor([2], dtype=torch.int32),
+                   y, hidden=hidden, inter=inter, max_tiles=3, fp8=True, cfg=(16, 128, 128, 4, 2))
+    expected = torch.cat([reference(x[:5], w[0], ws[0]), reference(x[5:], w[1], ws[1])])
+    assert rel(y, expected) <= 2.5e-3
