@@ -10,7 +10,7 @@ Imported only when an FP8 linear runs on a GPU (Triton is absent on CPU-only hos
 - `splitk_sum`: the partials summed into the output dtype.
 
 Configs (`plan`): prefill-sized M runs 128-row tiles (wgmma); decode-sized M (<= 64 rows) streams the
-weight with 16/32-row tiles and splits K until the grid covers the SMs `DECODE_WAVES` times, since
+weight with 16/32/64-row tiles and splits K until the grid covers the SMs `DECODE_WAVES` times, since
 N / BN tiles alone leave most of 132 SMs idle for the narrow projections (1536 or 576 outputs).
 These are reasoned, not yet measured: `python3 bench/fp8_linear.py` times them against a sweep and
 bf16 cuBLAS at deepseek_v3's shapes. On sm_90 Triton sums FP8 products at the tensor cores' reduced

@@ -40,7 +40,8 @@ def _block_split(total: int, size: int, what: str) -> int:
 
 
 def _kernel_runs(x: torch.Tensor, in_features: int) -> bool:
-    return x.is_cuda and in_features % 16 == 0 and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    return (x.is_cuda and in_features % 16 == 0 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and torch.cuda.get_device_capability(x.device) >= (8, 9))
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
