@@ -64,7 +64,9 @@ class Launcher:
         from registry.errors import MoegenError
         from registry.build_index import matching
         from registry.model import EMBEDDED_DRAFT_KINDS, facts_from_literal
-        from runtime.checkpoint.writer import random_tensors, save_checkpoint
+        import torch
+
+        from runtime.checkpoint.writer import fp8_block_tensors, random_tensors, save_checkpoint
 
         facts = self._facts(model)
         generic = self.builds.module(self.builds.index["models"][model]["generic"])
@@ -79,6 +81,11 @@ class Launcher:
             if target["draft"] is not None and target["draft"]["kind"] in EMBEDDED_DRAFT_KINDS:
                 draft = self.builds.module(target["draft"]["module"])
                 tensors.update(random_tensors(draft.DRAFT_CLASS(device="meta"), storage, seed + 1))
+        if facts.QUANT[checkpoint_name]["quant_algo"] == "FP8_BLOCK_SCALES":
+            # DeepSeek's FP8 layout for the linears the generic build reads as values (a specialized build may
+            # keep them FP8: runtime/ops/fp8_linear.py); the experts are FP8 already.
+            tensors = fp8_block_tensors({n: t for n, t in tensors.items() if t.dtype != torch.float8_e4m3fn}) | {
+                n: t for n, t in tensors.items() if t.dtype == torch.float8_e4m3fn}
         return save_checkpoint(tensors, folder, facts.CONFIG)
 
     def main(self, argv=None):
