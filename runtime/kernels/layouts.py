@@ -15,12 +15,17 @@ import torch
 
 # BF16_WORD: element i of a word (8 consecutive K elements of one lane) feeds bf16x2 pair i // 2,
 # low half for even i. Its 3 magnitude bits (exponent, mantissa) must land on bf16 bits 8..6 (22..24
-# for the high half) and its sign on bit 15 (31). Pair j's magnitude fields are stored 3*j bits
-# higher (j = 3: 3 bits lower) and the signs fill the 8 bits left over.
-_BF16_MAG_SHIFT = (0, 3, 6, -3)
-_BF16_SIGN_SHIFT = (0, -15, -14, -13)
+# for the high half) and its sign on bit 15 (31); the table gives where they are stored. The kernel
+# (fp4_to_bf16x8) builds pair 0 as word & mask, pair 2 as (word rotated right by 6) & mask, pair 1
+# from word >> 3 (magnitudes) and word << 12 (signs), pair 3 from word << 6 and word << 11: 11 integer
+# ops per word. No layout does all four pairs with one shift and mask each (the 8 target bits
+# {6,7,8,15} + 16Z do not tile Z/32 by translation); 11 is the fewest a search over shift/rotate
+# assignments found (13 before).
+_BF16_MAG_SRC = (0, 3, 6, -6)      # stored position - target position, per pair (mod 32)
+_BF16_SIGN_SRC = (0, -12, 6, -11)
 BF16_WORD = tuple(
-    ((6 if i % 2 == 0 else 22) + _BF16_MAG_SHIFT[i // 2], (15 if i % 2 == 0 else 31) + _BF16_SIGN_SHIFT[i // 2])
+    (((6 if i % 2 == 0 else 22) + _BF16_MAG_SRC[i // 2]) % 32,
+     ((15 if i % 2 == 0 else 31) + _BF16_SIGN_SRC[i // 2]) % 32)
     for i in range(8))
 # E4M3_WORD: elements 0..3 become the E4M3 bytes of one register, 4..7 of another. Magnitudes of the
 # first four sit in place (bits 8k+2..8k+4), those of the last four 3 bits higher; signs in bits
@@ -51,14 +56,16 @@ def relayout_fp4(packed: torch.Tensor, layout: str) -> torch.Tensor:
     return new.view(torch.uint8).reshape(packed.shape)
 
 
-def decode_bf16_word(word: int) -> list[int]:
-    """What moe_kernels.cu's fp4_to_bf16x8 makes of one 32-bit word: 4 bf16x2 bit patterns (for tests)."""
+def decode_bf16_word(word):
+    """What moe_kernels.cu's fp4_to_bf16x8 makes of one 32-bit word: 4 bf16x2 bit patterns (for tests;
+    `word` may be an int or an int64 / uint64 numpy array of words, decoded elementwise)."""
     mag, sgn, m = 0x01C001C0, 0x80008000, 0xFFFFFFFF
     x = word & m
+    r6 = ((x >> 6) | (x << 26)) & m
     return [x & (mag | sgn),
-            ((x >> 3) & mag) | ((x << 15) & sgn & m),
-            ((x >> 6) & mag) | ((x << 14) & sgn & m),
-            ((x << 3) & mag & m) | ((x << 13) & sgn & m)]
+            ((x >> 3) & mag) | ((x << 12) & sgn & m),
+            r6 & (mag | sgn),
+            ((x << 6) & mag & m) | ((x << 11) & sgn & m)]
 
 
 def decode_e4m3_word(word: int) -> tuple[int, int]:

@@ -107,14 +107,18 @@ __device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
 }
 
 // FP4 E2M1 word (8 elements, bit layout of runtime/kernels/layouts.py: BF16_WORD) -> 4 bf16x2 pairs
-// holding value * 2^-126; the caller multiplies by the block scale * 2^126. 13 integer ops per 8
-// elements: the magnitude fields of pair j sit 3*j bits apart and the signs in the leftover bits.
+// holding value * 2^-126; the caller multiplies by the block scale * 2^126. 11 integer ops per 8
+// elements (the layout's search: layouts.py): pairs 0 and 2 are one mask of the word and of the word
+// rotated by 6 (magnitudes and signs at the right distance), pairs 1 and 3 take their magnitudes and
+// their signs from two shifts each.
 __device__ __forceinline__ void fp4_to_bf16x8(u32 x, u32 (&p)[4]) {
   const u32 MAG = 0x01C001C0u, SGN = 0x80008000u;
+  u32 r6;
+  asm("shf.r.wrap.b32 %0, %1, %1, 6;" : "=r"(r6) : "r"(x));
   p[0] = x & (MAG | SGN);
-  p[1] = ((x >> 3) & MAG) | ((x << 15) & SGN);
-  p[2] = ((x >> 6) & MAG) | ((x << 14) & SGN);
-  p[3] = ((x << 3) & MAG) | ((x << 13) & SGN);
+  p[1] = ((x >> 3) & MAG) | ((x << 12) & SGN);
+  p[2] = r6 & (MAG | SGN);
+  p[3] = ((x << 6) & MAG) | ((x << 11) & SGN);
 }
 
 // FP4 E2M1 word (layout E4M3_WORD) -> 8 E4M3 bytes holding value * 2^-6 (exact, subnormals too).
@@ -663,7 +667,11 @@ template <int WF, int MT, int NT> struct Unroll {
   static constexpr int V = (MT * NT >= 8) ? 1 : (MT * NT >= 2 ? 2 : (W >= 64 ? 2 : 4));
 };
 
-template <int WF, int AQ, int EPI, int MT, int NT>
+// SK > 1 splits K inside the CTA: SK warps share each m-tile group, each walks a contiguous 1/SK of
+// the chunks, and the partial sums meet in shared memory (fixed order: deterministic) before warp
+// ks = 0 of the group runs the epilogue. The grid then holds SK times more warps for the same
+// rows: decode calls whose item count leaves SMs idle (runtime/experts/cupy_mma.py: _gemm) use it.
+template <int WF, int AQ, int EPI, int MT, int NT, int SK>
 __device__ __forceinline__ void moe_gemm_impl(
     const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2,
     const u8* __restrict__ A, const float* __restrict__ AS, int a_by_token,
@@ -677,17 +685,25 @@ __device__ __forceinline__ void moe_gemm_impl(
   constexpr bool FP8MMA = (AQ != AQ_NONE);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
+  static_assert(SK == 1 || ((WF == WF_MXFP4 || WF == WF_NVFP4) && (SK == 2 || SK == 4)),
+                "split K: 4-bit formats (per-chunk scales), 2 or 4 warps per m-tile group");
+  constexpr int GROUPS = 4 / SK;   // m-tile groups of MT per CTA
+  const int grp = warp / SK, ks = warp % SK;
   const int n_tiles16 = N / 16;   // gated: N = 2I and one m-tile holds 8 gate + 8 up rows
-  const int nblocks = (n_tiles16 + 4 * MT - 1) / (4 * MT);
+  const int nblocks = (n_tiles16 + GROUPS * MT - 1) / (GROUPS * MT);
   const int items = num_tiles[0] * nblocks;
   const int nch = K / 64;
+  const int kc0 = ks * nch / SK, kc1 = (ks + 1) * nch / SK;   // this warp's chunks [kc0, kc1)
+  __shared__ float red[SK > 1 ? 4 : 1][SK > 1 ? MT * NT * 4 : 1][32];
   const size_t wrow = (size_t)K * WTraits<WF>::CHUNK / 64;     // bytes per weight row
   const size_t arow_bytes = (size_t)K * ATraits<AQ>::CHUNK / 64;
 
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int tile = item / nblocks, nb = item - tile * nblocks;
-    const int mt0 = (nb * 4 + warp) * MT;
-    if (mt0 >= n_tiles16) continue;   // this warp has no rows in the edge block
+    const int mt0 = (nb * GROUPS + grp) * MT;
+    // this warp has no rows in the edge block (split K: it computes clamped rows and stores none,
+    // as its group's other warps meet it at the barriers below)
+    if (SK == 1 && mt0 >= n_tiles16) continue;
     const int le = tile_expert[tile];
     const int r0 = tile_row[tile];
     const int cnt = min(BT, offs[le + 1] - r0);
@@ -742,7 +758,7 @@ __device__ __forceinline__ void moe_gemm_impl(
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int c = c0 + u;
-          if (c < nch) {
+          if (c < kc1) {
             load_w<WF, MT>(wp, c, w[u]);
             load_a<AQ, NT>(ap, c, a[u]);
             if constexpr (WF == WF_MXFP4 || WF == WF_NVFP4) {
@@ -768,7 +784,7 @@ __device__ __forceinline__ void moe_gemm_impl(
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int c = c0 + u;
-          if (c >= nch) continue;
+          if (c >= kc1) continue;
 #pragma unroll
           for (int m = 0; m < MT; ++m) {
             if constexpr (!FP8MMA) {
@@ -780,13 +796,12 @@ __device__ __forceinline__ void moe_gemm_impl(
               } else {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                  u32 mul, mul2 = 0;
+                  u32 mul;
                   if constexpr (WF == WF_MXFP4) {
                     // bf16x2 2^(e-1) = 2^(e-127) * 2^126 (exponent field e + 126); scales above 2^1
-                    // (bytes > 128) need a second factor, 2^(e-128), as bf16 stops at 2^127
+                    // (bytes > 128) get a second factor below, as bf16 stops at 2^127
                     const u32 e = sc[u][m][h];
-                    mul = (((e > 128u ? 128u : e) + 126u) << 7) * 0x10001u;
-                    if (e > 128u) mul2 = ((e - 1u) << 7) * 0x10001u;
+                    mul = ((e > 128u ? 128u : e) * 0x10001u << 7) + 0x3F003F00u;
                   } else {
                     // NVFP4 block scale * 2^110 (exact in bf16); 2^16 is folded into the epilogue
                     const u16 b = f32_to_bf16(e4m3_to_f32(sc[u][m][h]) * 1.2980742146337069e33f);
@@ -799,10 +814,18 @@ __device__ __forceinline__ void moe_gemm_impl(
                     fp4_to_bf16x8(w[u][m][h][wd], p4);
 #pragma unroll
                     for (int j = 0; j < 4; ++j) dst[4 * wd + j] = bf16x2_mul(p4[j], mul);
-                    if (mul2) {
+                  }
+                }
+                if constexpr (WF == WF_MXFP4) {
+                  // The second factor 2^(e-128) for bytes > 128, behind a warp-uniform branch: real
+                  // checkpoints' scales stay far below 2^1, and predicated multiplies would cost 16
+                  // issue slots per chunk (a quarter of the dequantization) on every warp.
+                  const u32 eg = sc[u][m][0], eh = sc[u][m][1];
+                  if (__any_sync(0xffffffffu, (eg > 128u) | (eh > 128u))) {
+                    const u32 mg = eg > 128u ? ((eg - 1u) << 7) * 0x10001u : 0x3F803F80u;   // else 1.0
+                    const u32 mh = eh > 128u ? ((eh - 1u) << 7) * 0x10001u : 0x3F803F80u;
 #pragma unroll
-                      for (int j = 0; j < 4; ++j) dst[4 * wd + j] = bf16x2_mul(dst[4 * wd + j], mul2);
-                    }
+                    for (int i = 0; i < 8; ++i) { pg[i] = bf16x2_mul(pg[i], mg); ph[i] = bf16x2_mul(ph[i], mh); }
                   }
                 }
               }
@@ -875,12 +898,35 @@ __device__ __forceinline__ void moe_gemm_impl(
     };
     u32 wA[U][MT][2][WW], aA[U][NT][AW], sA[U][MT][2];
     u32 wB[U][MT][2][WW], aB[U][NT][AW], sB[U][MT][2];
-    load_group(0, wA, aA, sA);
-    for (int c0 = 0; c0 < nch; c0 += 2 * U) {
-      if (c0 + U < nch) load_group(c0 + U, wB, aB, sB);
+    load_group(kc0, wA, aA, sA);
+    for (int c0 = kc0; c0 < kc1; c0 += 2 * U) {
+      if (c0 + U < kc1) load_group(c0 + U, wB, aB, sB);
       compute_group(c0, wA, aA, sA);
-      if (c0 + 2 * U < nch) load_group(c0 + 2 * U, wA, aA, sA);
-      if (c0 + U < nch) compute_group(c0 + U, wB, aB, sB);
+      if (c0 + 2 * U < kc1) load_group(c0 + 2 * U, wA, aA, sA);
+      if (c0 + U < kc1) compute_group(c0 + U, wB, aB, sB);
+    }
+    if constexpr (SK > 1) {
+      if (ks) {
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+          for (int f = 0; f < NT; ++f)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) red[warp][(m * NT + f) * 4 + i][lane] = acc[m][f][i];
+      }
+      __syncthreads();
+      if (ks == 0) {
+#pragma unroll
+        for (int j = 1; j < SK; ++j)
+#pragma unroll
+          for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int f = 0; f < NT; ++f)
+#pragma unroll
+              for (int i = 0; i < 4; ++i) acc[m][f][i] += red[warp + j][(m * NT + f) * 4 + i][lane];
+      }
+      __syncthreads();   // the next item's partial sums overwrite red
+      if (ks) continue;
     }
     // ---- epilogue ----
 #pragma unroll
@@ -943,13 +989,21 @@ __device__ __forceinline__ void moe_gemm_impl(
   }
 }
 
-#define MOE_GEMM_INSTANCE(WF, AQ, EPI, MT, NT)                                                             \
-  extern "C" __global__ void __launch_bounds__(THREADS) moe_gemm_##WF##_##AQ##_##EPI##_##MT##_##NT(            \
+// Decode tiles keep 3 CTAs (12 warps) per SM: the register count sits near the 168 that allows it,
+// and one more register would cost a quarter of the bytes in flight.
+#define MIN_CTAS(MT, NT) ((MT) * (NT) <= 2 ? 3 : 1)
+#define MOE_GEMM_KERNEL(NAME, WF, AQ, EPI, MT, NT, SK)                                                      \
+  extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS(MT, NT)) NAME(                            \
       const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2,                 \
       const u8* __restrict__ A, const float* __restrict__ AS, int a_by_token,                              \
       const int* __restrict__ sorted_pair, const int* __restrict__ offs, const int* __restrict__ tile_expert, \
       const int* __restrict__ tile_row, const int* __restrict__ num_tiles, const float* __restrict__ bias,   \
       void* __restrict__ out, int N, int K, int I, int topk, int kind, float alpha, float limit) {          \
-    moe_gemm_impl<WF, AQ, EPI, MT, NT>(W, WS, WS2, A, AS, a_by_token, sorted_pair, offs, tile_expert,       \
+    moe_gemm_impl<WF, AQ, EPI, MT, NT, SK>(W, WS, WS2, A, AS, a_by_token, sorted_pair, offs, tile_expert,       \
                                        tile_row, num_tiles, bias, out, N, K, I, topk, kind, alpha, limit);  \
   }
+#define MOE_GEMM_INSTANCE(WF, AQ, EPI, MT, NT) \
+  MOE_GEMM_KERNEL(moe_gemm_##WF##_##AQ##_##EPI##_##MT##_##NT, WF, AQ, EPI, MT, NT, 1)
+// split-K variants: the name carries SK as a sixth number
+#define MOE_GEMM_INSTANCE_SPLIT(WF, AQ, EPI, MT, NT, SK) \
+  MOE_GEMM_KERNEL(moe_gemm_##WF##_##AQ##_##EPI##_##MT##_##NT##_##SK, WF, AQ, EPI, MT, NT, SK)
