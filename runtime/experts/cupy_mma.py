@@ -13,7 +13,8 @@ expert (prefill) run both GEMMs through `torch._grouped_mm` instead (~600 TFLOP/
 kernels for routing, gather, activation and combine.
 
 Activations run in bf16 (hidden states of another dtype are converted). Weights are re-laid out
-once at load (gate/up rows interleaved; FP4 bits rearranged: runtime/kernels/layouts.py).
+once at load (gate/up rows interleaved; FP4 bits rearranged and K-chunks paired:
+runtime/kernels/layouts.py).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from .. import kernels as K
-from ..kernels.layouts import interleave_gate_up, relayout_fp4
+from ..kernels.layouts import interleave_gate_up, pair_chunks, relayout_fp4
 from .base import ExpertParallel, ExpertsBase, MoeShape
 
 _ACT_KIND = {"silu_glu": 0, "swiglu_oai": 1, "relu2": 0}
@@ -123,7 +124,7 @@ class _CupyMmaExperts(ExpertsBase):
             new["s2"] = stacked("down", "weight_scale_inv")
         else:
             layout = "e4m3" if fmt == "w4a8_mxfp4_fp8" else "bf16"
-            relaid = lambda t: relayout_fp4(t, layout)   # noqa: E731
+            relaid = lambda t: pair_chunks(relayout_fp4(t, layout))   # noqa: E731
             new["w13"] = first("weight", relaid)
             new["w2"] = relaid(stacked("down", "weight"))
             if fmt == "w4a16_nvfp4":

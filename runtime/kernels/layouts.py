@@ -7,7 +7,8 @@ from the checkpoint layout, both free at run time and exact:
   gate rows and the 8 matching up rows, so the GLU activation happens in the GEMM's registers.
 * FP4 (E2M1) codes moved to other bit positions inside each 32-bit word of 8 elements
   (`relayout_fp4`): a word is turned into MMA operands with a few shifts and masks instead of a
-  per-nibble table lookup (moe_kernels.cu: fp4_to_bf16x8, fp4_to_e4m3x8).
+  per-nibble table lookup (moe_kernels.cu: fp4_to_bf16x8, fp4_to_e4m3x8); then each lane's bytes of
+  two neighbouring K-chunks put side by side (`pair_chunks`) for 16-byte loads.
 """
 from __future__ import annotations
 
@@ -54,6 +55,19 @@ def relayout_fp4(packed: torch.Tensor, layout: str) -> torch.Tensor:
         new = new.reshape(*shape[:-1], shape[-1] // 8, 8)[..., list(_W4A8_WORD_ORDER)].reshape(shape)
     new = torch.where(new >= 2 ** 31, new - 2 ** 32, new).to(torch.int32)
     return new.view(torch.uint8).reshape(packed.shape)
+
+
+def pair_chunks(packed: torch.Tensor) -> torch.Tensor:
+    """Kernel-layout FP4 rows (uint8 [..., K/2], 32 bytes per 64-element chunk, lane t's 8 bytes at 8t)
+    -> chunks paired: lane t's bytes of chunks 2p and 2p + 1 side by side at byte 64p + 16t, so the
+    kernel reads both with one 16-byte load (each quad then reads 64 contiguous bytes of a row, not
+    32); an odd last chunk stays where it was. Same shape and bytes (a permutation)."""
+    *lead, nbytes = packed.shape
+    if packed.dtype != torch.uint8 or nbytes % 32:
+        raise ValueError(f"pair_chunks needs uint8 [..., K/2] with K % 64 == 0, got {tuple(packed.shape)} {packed.dtype}")
+    paired = nbytes // 64 * 64
+    head = packed[..., :paired].reshape(*lead, paired // 64, 2, 4, 8).transpose(-3, -2).reshape(*lead, paired)
+    return torch.cat([head, packed[..., paired:]], dim=-1).contiguous()
 
 
 def decode_bf16_word(word):

@@ -647,6 +647,19 @@ template <int WF, int MT> __device__ __forceinline__ void load_w(const u8* const
     }
 }
 
+// One 4-bit chunk alone (8 bytes per lane) in the paired layout: see load_group.
+template <int MT> __device__ __forceinline__ void load_fp4_chunk(const u8* const (&wp)[MT][2], int c, int nch, int t,
+                                                                u32 (&w)[MT][2][2]) {
+  const size_t off = c < (nch & ~1) ? (size_t)(c & ~1) * 32 + 8 * (t + (c & 1)) : (size_t)c * 32;
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint2 v = ldg_stream8(wp[m][h] + off);
+      w[m][h][0] = v.x; w[m][h][1] = v.y;
+    }
+}
+
 template <int AQ, int NT> __device__ __forceinline__ void load_a(const u8* const (&ap)[NT], int c, u32 (&a)[NT][ATraits<AQ>::WORDS]) {
 #pragma unroll
   for (int f = 0; f < NT; ++f) {
@@ -693,7 +706,8 @@ __device__ __forceinline__ void moe_gemm_impl(
   const int nblocks = (n_tiles16 + GROUPS * MT - 1) / (GROUPS * MT);
   const int items = num_tiles[0] * nblocks;
   const int nch = K / 64;
-  const int kc0 = ks * nch / SK, kc1 = (ks + 1) * nch / SK;   // this warp's chunks [kc0, kc1)
+  // this warp's chunks [kc0, kc1), starting on even chunks (the 4-bit chunk pairs stay whole)
+  const int kc0 = (ks * nch / SK) & ~1, kc1 = ks == SK - 1 ? nch : ((ks + 1) * nch / SK) & ~1;
   __shared__ float red[SK > 1 ? 4 : 1][SK > 1 ? MT * NT * 4 : 1][32];
   const size_t wrow = (size_t)K * WTraits<WF>::CHUNK / 64;     // bytes per weight row
   const size_t arow_bytes = (size_t)K * ATraits<AQ>::CHUNK / 64;
@@ -759,7 +773,30 @@ __device__ __forceinline__ void moe_gemm_impl(
         for (int u = 0; u < U; ++u) {
           const int c = c0 + u;
           if (c < kc1) {
-            load_w<WF, MT>(wp, c, w[u]);
+            if constexpr (WF == WF_MXFP4 || WF == WF_NVFP4) {
+              // chunks paired at load (layouts.py: pair_chunks): lane t's 8 bytes of chunks 2p and
+              // 2p + 1 sit side by side at byte 64p + 16t of the row, so an even chunk whose partner is
+              // in range comes with it in one 16-byte load (a quad reads 64 contiguous bytes per row,
+              // not 32); an odd last chunk of the row keeps its plain place
+              if constexpr (U % 2 == 0) {
+                if (u % 2 == 0 && c + 1 < kc1) {
+#pragma unroll
+                  for (int m = 0; m < MT; ++m)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                      const uint4 v = ldg_stream16(wp[m][h] + (size_t)c * 32 + 8 * t);
+                      w[u][m][h][0] = v.x; w[u][m][h][1] = v.y;
+                      w[u + 1][m][h][0] = v.z; w[u + 1][m][h][1] = v.w;
+                    }
+                } else if (u % 2 == 0) {
+                  load_fp4_chunk<MT>(wp, c, nch, t, w[u]);
+                }
+              } else {
+                load_fp4_chunk<MT>(wp, c, nch, t, w[u]);
+              }
+            } else {
+              load_w<WF, MT>(wp, c, w[u]);
+            }
             load_a<AQ, NT>(ap, c, a[u]);
             if constexpr (WF == WF_MXFP4 || WF == WF_NVFP4) {
 #pragma unroll
