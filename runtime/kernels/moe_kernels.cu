@@ -1026,11 +1026,16 @@ __device__ __forceinline__ void moe_gemm_impl(
   }
 }
 
-// Decode tiles keep 3 CTAs (12 warps) per SM: the register count sits near the 168 that allows it,
-// and one more register would cost a quarter of the bytes in flight.
-#define MIN_CTAS(MT, NT) ((MT) * (NT) <= 2 ? 3 : 1)
+// Minimum resident CTAs (ptxas fits the registers to them) where the register count sits near a step
+// of occupancy, one register more costing a quarter or a third of the warps (and bytes in flight):
+// the decode tiles 3 (12 warps, <= 168 registers) but 4 (<= 128) for w4a8 and fp8's (1, 2) tiles
+// without the gated epilogue, which fit without spilling; the w4a16 (2, 4) tile 3 (a few bytes spilled
+// around the item setup and the epilogue, none in the K loop).
+#define MIN_CTAS(WF, AQ, EPI, MT, NT)                                                              \
+  ((MT) * (NT) <= 2 ? ((AQ) == AQ_TOKEN || ((AQ) == AQ_GROUP128 && (NT) == 2 && (EPI) != EPI_GATED) ? 4 : 3) \
+   : ((WF) >= WF_MXFP4 && (AQ) == AQ_NONE && (MT) == 2 && (NT) == 4 ? 3 : 1))
 #define MOE_GEMM_KERNEL(NAME, WF, AQ, EPI, MT, NT, SK)                                                      \
-  extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS(MT, NT)) NAME(                            \
+  extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS(WF, AQ, EPI, MT, NT)) NAME(                            \
       const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2,                 \
       const u8* __restrict__ A, const float* __restrict__ AS, int a_by_token,                              \
       const int* __restrict__ sorted_pair, const int* __restrict__ offs, const int* __restrict__ tile_expert, \

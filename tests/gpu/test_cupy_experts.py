@@ -137,7 +137,7 @@ def test_split_k_decode_kernels_match_vanilla_and_repeat_exactly(cls):
             except AssertionError as err:
                 raise AssertionError(f"{cls.FORMAT} tokens={tokens} split={sk}: {err}") from None
 
-    real = REAL_SHAPES[cls.FORMAT]
+    real = dataclasses.replace(REAL_SHAPES[cls.FORMAT], num_experts=4)   # T = 1 routes to all four
     tensors = make_expert_tensors(real, cls.FORMAT, seed=84, weight_std=3.0)
     module = _module(cls, real, tensors)
     kern = module._kernels(torch.device("cuda"))
