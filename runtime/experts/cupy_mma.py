@@ -13,8 +13,7 @@ expert (prefill) run both GEMMs through `torch._grouped_mm` instead (~600 TFLOP/
 kernels for routing, gather, activation and combine.
 
 Activations run in bf16 (hidden states of another dtype are converted). Weights are re-laid out
-once at load (gate/up rows interleaved; FP4 bits rearranged and K-chunks paired:
-runtime/kernels/layouts.py).
+once at load (gate/up rows interleaved; FP4 bits rearranged: runtime/kernels/layouts.py).
 """
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 
 from .. import kernels as K
-from ..kernels.layouts import interleave_gate_up, pair_chunks, relayout_fp4
+from ..kernels.layouts import interleave_gate_up, relayout_fp4
 from .base import ExpertParallel, ExpertsBase, MoeShape
 
 _ACT_KIND = {"silu_glu": 0, "swiglu_oai": 1, "relu2": 0}
@@ -124,7 +123,7 @@ class _CupyMmaExperts(ExpertsBase):
             new["s2"] = stacked("down", "weight_scale_inv")
         else:
             layout = "e4m3" if fmt == "w4a8_mxfp4_fp8" else "bf16"
-            relaid = lambda t: pair_chunks(relayout_fp4(t, layout))   # noqa: E731
+            relaid = lambda t: relayout_fp4(t, layout)   # noqa: E731
             new["w13"] = first("weight", relaid)
             new["w2"] = relaid(stacked("down", "weight"))
             if fmt == "w4a16_nvfp4":
@@ -293,23 +292,29 @@ class _CupyMmaExperts(ExpertsBase):
                      _i(hsize), _i(weights.shape[1])), stream)
         return out if dtype == torch.bfloat16 else out.to(dtype)
 
-    def _split(self, kern, epi, tile, max_tiles, n):
-        """`tile` with the split-K factor of this GEMM: the largest compiled one whose items (for the
-        most token tiles the routing can make) all fit in one wave of resident CTAs, so that a decode
-        call with few active experts spreads its rows' K over more warps instead of leaving SMs idle;
-        none when the unsplit grid already fills the GPU. Host-side, from the shape only (graphs)."""
+    def _split(self, kern, epi, tile, pairs, n):
+        """`tile` with the split-K factor of this GEMM: the largest compiled one whose items all fit in
+        one wave of resident CTAs (for the most token tiles `pairs` routed rows can make), so that a
+        decode call with few active experts spreads K over more warps instead of leaving SMs idle;
+        1 when the unsplit grid already fills the GPU (measured on the H200: split in one wave 28 %
+        faster, in two waves 5-25 % slower; BENCHMARKS.md). Host-side, from the shape only (graphs)."""
         if len(tile) > 2:
             return tuple(tile)
+        # token tiles <= m + (pairs - m) // bt, m = min(experts, pairs): every active expert's first
+        # tile, plus one per further bt rows (tighter than _route's allocation bound)
+        bt = 8 * tile[1]
+        m = min(len(self.expert_ids), pairs)
+        tiles = m + (pairs - m) // bt
         best = 1
         for sk in K.splits(self.FORMAT, tile):
-            items = max_tiles * math.ceil(n // 16 / (4 // sk * tile[0]))
+            items = tiles * math.ceil(n // 16 / (4 // sk * tile[0]))
             if items <= kern.persistent_grid(K.gemm_name(self.FORMAT, epi, (*tile, sk)), 1 << 30):
                 best = sk
         return (*tile, best)
 
     def _gemm(self, kern, stream, epi, tile, max_tiles, w, ws, ws2, a, a_scale, a_by_token, sorted_pair, offs,
               tile_expert, tile_row, num_tiles, bias, out, n, k, inter, top_k, kind, alpha, limit):
-        tile = self._split(kern, epi, tile, max_tiles, n)
+        tile = self._split(kern, epi, tile, sorted_pair.shape[0], n)
         name = K.gemm_name(self.FORMAT, epi, tile)
         nblocks = math.ceil(n // 16 / (4 // (tile[2] if len(tile) > 2 else 1) * tile[0]))
         grid = kern.persistent_grid(name, max_tiles * nblocks)

@@ -7,8 +7,7 @@ from the checkpoint layout, both free at run time and exact:
   gate rows and the 8 matching up rows, so the GLU activation happens in the GEMM's registers.
 * FP4 (E2M1) codes moved to other bit positions inside each 32-bit word of 8 elements
   (`relayout_fp4`): a word is turned into MMA operands with a few shifts and masks instead of a
-  per-nibble table lookup (moe_kernels.cu: fp4_to_bf16x8, fp4_to_e4m3x8); then each lane's bytes of
-  two neighbouring K-chunks put side by side (`pair_chunks`) for 16-byte loads.
+  per-nibble table lookup (moe_kernels.cu: fp4_to_bf16x8, fp4_to_e4m3x8).
 """
 from __future__ import annotations
 
@@ -16,17 +15,12 @@ import torch
 
 # BF16_WORD: element i of a word (8 consecutive K elements of one lane) feeds bf16x2 pair i // 2,
 # low half for even i. Its 3 magnitude bits (exponent, mantissa) must land on bf16 bits 8..6 (22..24
-# for the high half) and its sign on bit 15 (31); the table gives where they are stored. The kernel
-# (fp4_to_bf16x8) builds pair 0 as word & mask, pair 2 as (word rotated right by 6) & mask, pair 1
-# from word >> 3 (magnitudes) and word << 12 (signs), pair 3 from word << 6 and word << 11: 11 integer
-# ops per word. No layout does all four pairs with one shift and mask each (the 8 target bits
-# {6,7,8,15} + 16Z do not tile Z/32 by translation); 11 is the fewest a search over shift/rotate
-# assignments found (13 before).
-_BF16_MAG_SRC = (0, 3, 6, -6)      # stored position - target position, per pair (mod 32)
-_BF16_SIGN_SRC = (0, -12, 6, -11)
+# for the high half) and its sign on bit 15 (31). Pair j's magnitude fields are stored 3*j bits
+# higher (j = 3: 3 bits lower) and the signs fill the 8 bits left over.
+_BF16_MAG_SHIFT = (0, 3, 6, -3)
+_BF16_SIGN_SHIFT = (0, -15, -14, -13)
 BF16_WORD = tuple(
-    (((6 if i % 2 == 0 else 22) + _BF16_MAG_SRC[i // 2]) % 32,
-     ((15 if i % 2 == 0 else 31) + _BF16_SIGN_SRC[i // 2]) % 32)
+    ((6 if i % 2 == 0 else 22) + _BF16_MAG_SHIFT[i // 2], (15 if i % 2 == 0 else 31) + _BF16_SIGN_SHIFT[i // 2])
     for i in range(8))
 # E4M3_WORD: elements 0..3 become the E4M3 bytes of one register, 4..7 of another. Magnitudes of the
 # first four sit in place (bits 8k+2..8k+4), those of the last four 3 bits higher; signs in bits
@@ -57,29 +51,15 @@ def relayout_fp4(packed: torch.Tensor, layout: str) -> torch.Tensor:
     return new.view(torch.uint8).reshape(packed.shape)
 
 
-def pair_chunks(packed: torch.Tensor) -> torch.Tensor:
-    """Kernel-layout FP4 rows (uint8 [..., K/2], 32 bytes per 64-element chunk, lane t's 8 bytes at 8t)
-    -> chunks paired: lane t's bytes of chunks 2p and 2p + 1 side by side at byte 64p + 16t, so the
-    kernel reads both with one 16-byte load (each quad then reads 64 contiguous bytes of a row, not
-    32); an odd last chunk stays where it was. Same shape and bytes (a permutation)."""
-    *lead, nbytes = packed.shape
-    if packed.dtype != torch.uint8 or nbytes % 32:
-        raise ValueError(f"pair_chunks needs uint8 [..., K/2] with K % 64 == 0, got {tuple(packed.shape)} {packed.dtype}")
-    paired = nbytes // 64 * 64
-    head = packed[..., :paired].reshape(*lead, paired // 64, 2, 4, 8).transpose(-3, -2).reshape(*lead, paired)
-    return torch.cat([head, packed[..., paired:]], dim=-1).contiguous()
-
-
 def decode_bf16_word(word):
     """What moe_kernels.cu's fp4_to_bf16x8 makes of one 32-bit word: 4 bf16x2 bit patterns (for tests;
     `word` may be an int or an int64 / uint64 numpy array of words, decoded elementwise)."""
     mag, sgn, m = 0x01C001C0, 0x80008000, 0xFFFFFFFF
     x = word & m
-    r6 = ((x >> 6) | (x << 26)) & m
     return [x & (mag | sgn),
-            ((x >> 3) & mag) | ((x << 12) & sgn & m),
-            r6 & (mag | sgn),
-            ((x << 6) & mag & m) | ((x << 11) & sgn & m)]
+            ((x >> 3) & mag) | ((x << 15) & sgn & m),
+            ((x >> 6) & mag) | ((x << 14) & sgn & m),
+            ((x << 3) & mag & m) | ((x << 13) & sgn & m)]
 
 
 def decode_e4m3_word(word: int) -> tuple[int, int]:

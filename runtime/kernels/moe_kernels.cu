@@ -107,18 +107,14 @@ __device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
 }
 
 // FP4 E2M1 word (8 elements, bit layout of runtime/kernels/layouts.py: BF16_WORD) -> 4 bf16x2 pairs
-// holding value * 2^-126; the caller multiplies by the block scale * 2^126. 11 integer ops per 8
-// elements (the layout's search: layouts.py): pairs 0 and 2 are one mask of the word and of the word
-// rotated by 6 (magnitudes and signs at the right distance), pairs 1 and 3 take their magnitudes and
-// their signs from two shifts each.
+// holding value * 2^-126; the caller multiplies by the block scale * 2^126. 13 integer ops per 8
+// elements: the magnitude fields of pair j sit 3*j bits apart and the signs in the leftover bits.
 __device__ __forceinline__ void fp4_to_bf16x8(u32 x, u32 (&p)[4]) {
   const u32 MAG = 0x01C001C0u, SGN = 0x80008000u;
-  u32 r6;
-  asm("shf.r.wrap.b32 %0, %1, %1, 6;" : "=r"(r6) : "r"(x));
   p[0] = x & (MAG | SGN);
-  p[1] = ((x >> 3) & MAG) | ((x << 12) & SGN);
-  p[2] = r6 & (MAG | SGN);
-  p[3] = ((x << 6) & MAG) | ((x << 11) & SGN);
+  p[1] = ((x >> 3) & MAG) | ((x << 15) & SGN);
+  p[2] = ((x >> 6) & MAG) | ((x << 14) & SGN);
+  p[3] = ((x << 3) & MAG) | ((x << 13) & SGN);
 }
 
 // FP4 E2M1 word (layout E4M3_WORD) -> 8 E4M3 bytes holding value * 2^-6 (exact, subnormals too).
@@ -647,19 +643,6 @@ template <int WF, int MT> __device__ __forceinline__ void load_w(const u8* const
     }
 }
 
-// One 4-bit chunk alone (8 bytes per lane) in the paired layout: see load_group.
-template <int MT> __device__ __forceinline__ void load_fp4_chunk(const u8* const (&wp)[MT][2], int c, int nch, int t,
-                                                                u32 (&w)[MT][2][2]) {
-  const size_t off = c < (nch & ~1) ? (size_t)(c & ~1) * 32 + 8 * (t + (c & 1)) : (size_t)c * 32;
-#pragma unroll
-  for (int m = 0; m < MT; ++m)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint2 v = ldg_stream8(wp[m][h] + off);
-      w[m][h][0] = v.x; w[m][h][1] = v.y;
-    }
-}
-
 template <int AQ, int NT> __device__ __forceinline__ void load_a(const u8* const (&ap)[NT], int c, u32 (&a)[NT][ATraits<AQ>::WORDS]) {
 #pragma unroll
   for (int f = 0; f < NT; ++f) {
@@ -683,7 +666,7 @@ template <int WF, int MT, int NT> struct Unroll {
 // SK > 1 splits K inside the CTA: SK warps share each m-tile group, each walks a contiguous 1/SK of
 // the chunks, and the partial sums meet in shared memory (fixed order: deterministic) before warp
 // ks = 0 of the group runs the epilogue. The grid then holds SK times more warps for the same
-// rows: decode calls whose item count leaves SMs idle (runtime/experts/cupy_mma.py: _gemm) use it.
+// rows: decode calls whose items would leave SMs idle use it (runtime/experts/cupy_mma.py: _split).
 template <int WF, int AQ, int EPI, int MT, int NT, int SK>
 __device__ __forceinline__ void moe_gemm_impl(
     const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2,
@@ -706,8 +689,7 @@ __device__ __forceinline__ void moe_gemm_impl(
   const int nblocks = (n_tiles16 + GROUPS * MT - 1) / (GROUPS * MT);
   const int items = num_tiles[0] * nblocks;
   const int nch = K / 64;
-  // this warp's chunks [kc0, kc1), starting on even chunks (the 4-bit chunk pairs stay whole)
-  const int kc0 = (ks * nch / SK) & ~1, kc1 = ks == SK - 1 ? nch : ((ks + 1) * nch / SK) & ~1;
+  const int kc0 = ks * nch / SK, kc1 = (ks + 1) * nch / SK;   // this warp's chunks [kc0, kc1)
   __shared__ float red[SK > 1 ? 4 : 1][SK > 1 ? MT * NT * 4 : 1][32];
   const size_t wrow = (size_t)K * WTraits<WF>::CHUNK / 64;     // bytes per weight row
   const size_t arow_bytes = (size_t)K * ATraits<AQ>::CHUNK / 64;
@@ -773,30 +755,7 @@ __device__ __forceinline__ void moe_gemm_impl(
         for (int u = 0; u < U; ++u) {
           const int c = c0 + u;
           if (c < kc1) {
-            if constexpr (WF == WF_MXFP4 || WF == WF_NVFP4) {
-              // chunks paired at load (layouts.py: pair_chunks): lane t's 8 bytes of chunks 2p and
-              // 2p + 1 sit side by side at byte 64p + 16t of the row, so an even chunk whose partner is
-              // in range comes with it in one 16-byte load (a quad reads 64 contiguous bytes per row,
-              // not 32); an odd last chunk of the row keeps its plain place
-              if constexpr (U % 2 == 0) {
-                if (u % 2 == 0 && c + 1 < kc1) {
-#pragma unroll
-                  for (int m = 0; m < MT; ++m)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                      const uint4 v = ldg_stream16(wp[m][h] + (size_t)c * 32 + 8 * t);
-                      w[u][m][h][0] = v.x; w[u][m][h][1] = v.y;
-                      w[u + 1][m][h][0] = v.z; w[u + 1][m][h][1] = v.w;
-                    }
-                } else if (u % 2 == 0) {
-                  load_fp4_chunk<MT>(wp, c, nch, t, w[u]);
-                }
-              } else {
-                load_fp4_chunk<MT>(wp, c, nch, t, w[u]);
-              }
-            } else {
-              load_w<WF, MT>(wp, c, w[u]);
-            }
+            load_w<WF, MT>(wp, c, w[u]);
             load_a<AQ, NT>(ap, c, a[u]);
             if constexpr (WF == WF_MXFP4 || WF == WF_NVFP4) {
 #pragma unroll
@@ -833,12 +792,13 @@ __device__ __forceinline__ void moe_gemm_impl(
               } else {
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
-                  u32 mul;
+                  u32 mul, mul2 = 0;
                   if constexpr (WF == WF_MXFP4) {
                     // bf16x2 2^(e-1) = 2^(e-127) * 2^126 (exponent field e + 126); scales above 2^1
-                    // (bytes > 128) get a second factor below, as bf16 stops at 2^127
+                    // (bytes > 128) need a second factor, 2^(e-128), as bf16 stops at 2^127
                     const u32 e = sc[u][m][h];
-                    mul = ((e > 128u ? 128u : e) * 0x10001u << 7) + 0x3F003F00u;
+                    mul = (((e > 128u ? 128u : e) + 126u) << 7) * 0x10001u;
+                    if (e > 128u) mul2 = ((e - 1u) << 7) * 0x10001u;
                   } else {
                     // NVFP4 block scale * 2^110 (exact in bf16); 2^16 is folded into the epilogue
                     const u16 b = f32_to_bf16(e4m3_to_f32(sc[u][m][h]) * 1.2980742146337069e33f);
@@ -851,18 +811,10 @@ __device__ __forceinline__ void moe_gemm_impl(
                     fp4_to_bf16x8(w[u][m][h][wd], p4);
 #pragma unroll
                     for (int j = 0; j < 4; ++j) dst[4 * wd + j] = bf16x2_mul(p4[j], mul);
-                  }
-                }
-                if constexpr (WF == WF_MXFP4) {
-                  // The second factor 2^(e-128) for bytes > 128, behind a warp-uniform branch: real
-                  // checkpoints' scales stay far below 2^1, and predicated multiplies would cost 16
-                  // issue slots per chunk (a quarter of the dequantization) on every warp.
-                  const u32 eg = sc[u][m][0], eh = sc[u][m][1];
-                  if (__any_sync(0xffffffffu, (eg > 128u) | (eh > 128u))) {
-                    const u32 mg = eg > 128u ? ((eg - 1u) << 7) * 0x10001u : 0x3F803F80u;   // else 1.0
-                    const u32 mh = eh > 128u ? ((eh - 1u) << 7) * 0x10001u : 0x3F803F80u;
+                    if (mul2) {
 #pragma unroll
-                    for (int i = 0; i < 8; ++i) { pg[i] = bf16x2_mul(pg[i], mg); ph[i] = bf16x2_mul(ph[i], mh); }
+                      for (int j = 0; j < 4; ++j) dst[4 * wd + j] = bf16x2_mul(dst[4 * wd + j], mul2);
+                    }
                   }
                 }
               }
@@ -1026,16 +978,8 @@ __device__ __forceinline__ void moe_gemm_impl(
   }
 }
 
-// Minimum resident CTAs (ptxas fits the registers to them) where the register count sits near a step
-// of occupancy, one register more costing a quarter or a third of the warps (and bytes in flight):
-// the decode tiles 3 (12 warps, <= 168 registers) but 4 (<= 128) for w4a8 and fp8's (1, 2) tiles
-// without the gated epilogue, which fit without spilling; the w4a16 (2, 4) tile 3 (a few bytes spilled
-// around the item setup and the epilogue, none in the K loop).
-#define MIN_CTAS(WF, AQ, EPI, MT, NT)                                                              \
-  ((MT) * (NT) <= 2 ? ((AQ) == AQ_TOKEN || ((AQ) == AQ_GROUP128 && (NT) == 2 && (EPI) != EPI_GATED) ? 4 : 3) \
-   : ((WF) >= WF_MXFP4 && (AQ) == AQ_NONE && (MT) == 2 && (NT) == 4 ? 3 : 1))
 #define MOE_GEMM_KERNEL(NAME, WF, AQ, EPI, MT, NT, SK)                                                      \
-  extern "C" __global__ void __launch_bounds__(THREADS, MIN_CTAS(WF, AQ, EPI, MT, NT)) NAME(                            \
+  extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                               \
       const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2,                 \
       const u8* __restrict__ A, const float* __restrict__ AS, int a_by_token,                              \
       const int* __restrict__ sorted_pair, const int* __restrict__ offs, const int* __restrict__ tile_expert, \

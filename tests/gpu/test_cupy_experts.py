@@ -152,7 +152,7 @@ def test_split_k_decode_kernels_match_vanilla_and_repeat_exactly(cls):
 @pytest.mark.parametrize("cls", [c for c in FOUR_BIT if "mxfp4" in c.FORMAT], ids=lambda c: c.FORMAT)
 def test_mxfp4_scales_above_two_take_the_second_factor(cls):
     """E8M0 bytes above 128 (scales > 2^1, beyond one bf16 multiplier in the w4a16 kernel) on some
-    blocks of some rows: the rare branch multiplies those by 2^(e-128), and the result is VANILLA's."""
+    blocks of some rows: the kernel's second factor 2^(e-128) gives VANILLA's result."""
     h, i = DEFAULT_SHAPE
     spec = MoeShape(h, i, 8, 3, "silu_glu")
     tensors = make_expert_tensors(spec, cls.FORMAT, seed=91)

@@ -59,7 +59,7 @@ def test_interleave_gate_up():
 
 def test_bf16_decode_is_exact_for_every_code_combination():
     """All 2^16 code combinations of each half word (elements 0..3 and 4..7): re-laid, decoded the kernel's
-    way (shifts, a rotation, masks) and scaled by 2^126, they are ml_dtypes' float4_e2m1fn values."""
+    way (shifts and masks) and scaled by 2^126, they are ml_dtypes' float4_e2m1fn values."""
     import ml_dtypes
     import numpy as np
 
@@ -76,22 +76,3 @@ def test_bf16_decode_is_exact_for_every_code_combination():
     assert np.array_equal(got, expected)
     assert np.array_equal(np.signbit(got), np.signbit(expected))                         # -0 stays -0
 
-
-def test_paired_chunks_put_each_lanes_two_chunks_in_one_16_byte_load():
-    """Rows of 5 and 3 chunks (an odd last chunk) and 4: where moe_kernels.cu reads lane t's 8 bytes of
-    chunk c (16 bytes at 64p + 16t for a pair, 8 bytes at 32c + 8t for an odd last chunk) are the
-    bytes that lane owned before pairing."""
-    from runtime.kernels.layouts import pair_chunks
-
-    for chunks in (5, 3, 4):
-        rows = torch.randint(0, 256, (2, 3, 32 * chunks), generator=torch.Generator().manual_seed(chunks),
-                             dtype=torch.uint8)
-        paired = pair_chunks(rows)
-        assert paired.shape == rows.shape and torch.equal(paired.sort(-1).values, rows.sort(-1).values)
-        for c in range(chunks):
-            for t in range(4):
-                if c < chunks // 2 * 2:
-                    start = 64 * (c // 2) + 16 * t + 8 * (c % 2)
-                else:
-                    start = 32 * c + 8 * t
-                assert torch.equal(paired[..., start:start + 8], rows[..., 32 * c + 8 * t:32 * c + 8 * t + 8]), (c, t)
