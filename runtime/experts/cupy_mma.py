@@ -296,8 +296,9 @@ class _CupyMmaExperts(ExpertsBase):
         """`tile` with the split-K factor of this GEMM: the largest compiled one whose items all fit in
         one wave of resident CTAs (for the most token tiles `pairs` routed rows can make), so that a
         decode call with few active experts spreads K over more warps instead of leaving SMs idle;
-        1 when the unsplit grid already fills the GPU (measured on the H200: split in one wave 28 %
-        faster, in two waves 5-25 % slower; BENCHMARKS.md). Host-side, from the shape only (graphs)."""
+        1 when the unsplit grid already fills the GPU (measured on the H200: split within one wave
+        27-29 % faster, over more waves 2-26 % slower; BENCHMARKS.md). Host-side, from the shape only
+        (CUDA graphs)."""
         if len(tile) > 2:
             return tuple(tile)
         # token tiles <= m + (pairs - m) // bt, m = min(experts, pairs): every active expert's first

@@ -20,6 +20,7 @@ import zlib
 import pytest
 import torch
 
+from runtime import kernels as K
 from runtime.experts.base import DictExpertSource, ExpertParallel, MoeShape
 from runtime.experts.cupy_mma import CupyMmaBf16Experts
 from tests.gpu.helpers_graphs import assert_graph_replay_matches_eager
@@ -107,17 +108,12 @@ def test_real_layer_shapes(cls):
         assert_rel_close(out.cpu(), _reference(cls, spec, tensors, hidden, ids, weights), *_tolerance(cls.FORMAT))
 
 
-FOUR_BIT = [c for c in CUPY_EXPERTS if c.FORMAT.startswith("w4")]
-
-
-@pytest.mark.parametrize("cls", FOUR_BIT, ids=lambda c: c.FORMAT)
+@pytest.mark.parametrize("cls", [c for c in CUPY_EXPERTS if c.FORMAT in K.SPLITS], ids=lambda c: c.FORMAT)
 def test_split_k_decode_kernels_match_vanilla_and_repeat_exactly(cls):
     """Every split-K factor of the decode tile, forced, on K = 320 and 192 (5 and 3 chunks: with SK = 4
-    one warp of each group has no chunk), and the factor `_split` picks at T = 1 of the real layer
-    shape: VANILLA's result within the usual bounds, and bit-identical on a second call (the partial
-    sums meet in a fixed order)."""
-    from runtime import kernels as K
-
+    and 3 chunks one warp of each group has none), and the factor `_split` picks at T = 1 of the real
+    layer shape: VANILLA's result within the usual bounds, and bit-identical on a second call (the
+    partial sums meet in a fixed order)."""
     h, i = DEFAULT_SHAPE
     spec = MoeShape(h, i, 8, 3, "swiglu_oai", expert_bias=True)
     tensors = make_expert_tensors(spec, cls.FORMAT, seed=81, weight_std=3.0)
@@ -149,7 +145,7 @@ def test_split_k_decode_kernels_match_vanilla_and_repeat_exactly(cls):
     assert_rel_close(out.cpu(), _reference(cls, real, tensors, hidden, ids, weights), *_tolerance(cls.FORMAT))
 
 
-@pytest.mark.parametrize("cls", [c for c in FOUR_BIT if "mxfp4" in c.FORMAT], ids=lambda c: c.FORMAT)
+@pytest.mark.parametrize("cls", [c for c in CUPY_EXPERTS if "mxfp4" in c.FORMAT], ids=lambda c: c.FORMAT)
 def test_mxfp4_scales_above_two_take_the_second_factor(cls):
     """E8M0 bytes above 128 (scales > 2^1, beyond one bf16 multiplier in the w4a16 kernel) on some
     blocks of some rows: the kernel's second factor 2^(e-128) gives VANILLA's result."""
