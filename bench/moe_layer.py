@@ -439,6 +439,60 @@ def profile(args):
         torch.cuda.empty_cache()
 
 
+def decode_kernels(args, result):
+    """The GEMMs alone at the decode cells (torch.profiler over the rotated weight copies, uniform
+    routing): GEMM1 and GEMM2 microseconds per call and TB/s of the packed bytes of the active experts,
+    for what plan() and _split() pick and, on the split-K tile, each compiled factor forced."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    from runtime import kernels as K
+
+    rows, reps = [], 6
+    for shape in args.shapes.split(","):
+        h, i, e, k = SHAPES[shape]
+        spec = MoeShape(h, i, e, k, "silu_glu")
+        router = Router(h, e, k, None)
+        for fmt in args.formats.split(","):
+            mods = build(fmt, spec)
+            split_tile = getattr(K, "SPLIT_TILE", None)   # absent from trees before split K (base runs)
+            splits = K.splits(fmt, split_tile) if split_tile else ()
+            for t in (int(v) for v in args.tokens.split(",")):
+                x = torch.randn(t, h, device="cuda").bfloat16()
+                with torch.no_grad():
+                    ids, weights = router(x)
+                active = int(ids.unique().numel())
+                tile = tuple(mods[0].plan(t, k)[1])
+                options = [None] + ([(*tile, sk) for sk in (1,) + splits] if splits and tile == split_tile else [])
+                for opt in options:
+                    with torch.no_grad():
+                        for m in mods:
+                            m(x, ids, weights, tile=opt)
+                        torch.cuda.synchronize()
+                        with prof(activities=[ProfilerActivity.CUDA]) as p:
+                            for r in range(reps * len(mods)):
+                                mods[r % len(mods)](x, ids, weights, tile=opt)
+                            torch.cuda.synchronize()
+                    row = {"shape": shape, "format": fmt, "tokens": t, "active_experts": active,
+                           "tile": "plan" if opt is None else list(opt)}
+                    for ev in p.key_averages():
+                        if not ev.key.startswith("moe_gemm_"):
+                            continue
+                        gemm = "gemm1" if ev.key.split("_")[4] in ("0", "1") else "gemm2"
+                        us = (getattr(ev, "device_time_total", None) or ev.cuda_time_total) / ev.count
+                        n_out = (2 * i if gemm == "gemm1" else h)
+                        n_in = h if gemm == "gemm1" else i
+                        row[gemm] = {"kernel": ev.key, "us": us,
+                                     "tb_per_s": active * n_out * n_in * BYTES_PER_PARAM[fmt] / (us * 1e-6) / 1e12}
+                    rows.append(row)
+                    log(f"decode {shape} {fmt} T={t:3d} E_act={active:3d} {str(row['tile']):10s} " + "  ".join(
+                        f"{g} {row[g]['us']:7.1f} us {row[g]['tb_per_s']:.2f} TB/s [{row[g]['kernel']}]"
+                        for g in ("gemm1", "gemm2") if g in row))
+            del mods
+            gc.collect()
+            torch.cuda.empty_cache()
+    result["decode_kernels"] = rows
+
+
 def run(args):
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -455,6 +509,9 @@ def run(args):
         CLASSES.update(TRITON_CLASSES)
     if args.profile:
         profile(args)
+    if args.decode_kernels:
+        decode_kernels(args, result)
+        (out_dir / "moe_layer.json").write_text(json.dumps(result, indent=1))
     if args.sweep:
         sweep(args, result)
         (out_dir / "moe_layer.json").write_text(json.dumps(result, indent=1))
@@ -633,7 +690,9 @@ def main():
                    help="whose experts are 'ours': the CUPY classes, or the TRITON ones where a format has one")
     p.add_argument("--triton-sweep", action="store_true", help="time every TRITON_SWEEP configuration first")
     p.add_argument("--profile", action="store_true", help="print per-kernel times of a few cells first")
-    p.add_argument("--only-extras", action="store_true", help="stop after --sweep / --profile")
+    p.add_argument("--decode-kernels", action="store_true",
+                   help="time the GEMM kernels alone at --shapes/--formats/--tokens first (split-K factors too)")
+    p.add_argument("--only-extras", action="store_true", help="stop after --sweep / --profile / --decode-kernels")
     p.add_argument("--peers-from", default="", help="a previous moe_layer.json whose peer times to reuse")
     p.add_argument("--date", default=time.strftime("%Y-%m-%d"))
     p.add_argument("--commit", default="")

@@ -292,10 +292,32 @@ class _CupyMmaExperts(ExpertsBase):
                      _i(hsize), _i(weights.shape[1])), stream)
         return out if dtype == torch.bfloat16 else out.to(dtype)
 
+    def _split(self, kern, epi, tile, pairs, n):
+        """`tile` with the split-K factor of this GEMM: the largest compiled one whose items all fit in
+        one wave of resident CTAs (for the most token tiles `pairs` routed rows can make), so that a
+        decode call with few active experts spreads K over more warps instead of leaving SMs idle;
+        1 when the unsplit grid already fills the GPU (measured on the H200: split within one wave
+        27-29 % faster, over more waves 2-26 % slower; BENCHMARKS.md). Host-side, from the shape only
+        (CUDA graphs)."""
+        if len(tile) > 2:
+            return tuple(tile)
+        # token tiles <= m + (pairs - m) // bt, m = min(experts, pairs): every active expert's first
+        # tile, plus one per further bt rows (tighter than _route's allocation bound)
+        bt = 8 * tile[1]
+        m = min(len(self.expert_ids), pairs)
+        tiles = m + (pairs - m) // bt
+        best = 1
+        for sk in K.splits(self.FORMAT, tile):
+            items = tiles * math.ceil(n // 16 / (4 // sk * tile[0]))
+            if items <= kern.persistent_grid(K.gemm_name(self.FORMAT, epi, (*tile, sk)), 1 << 30):
+                best = sk
+        return (*tile, best)
+
     def _gemm(self, kern, stream, epi, tile, max_tiles, w, ws, ws2, a, a_scale, a_by_token, sorted_pair, offs,
               tile_expert, tile_row, num_tiles, bias, out, n, k, inter, top_k, kind, alpha, limit):
+        tile = self._split(kern, epi, tile, sorted_pair.shape[0], n)
         name = K.gemm_name(self.FORMAT, epi, tile)
-        nblocks = math.ceil(n // 16 / (4 * tile[0]))
+        nblocks = math.ceil(n // 16 / (4 // (tile[2] if len(tile) > 2 else 1) * tile[0]))
         grid = kern.persistent_grid(name, max_tiles * nblocks)
         kern.launch(name, (grid,), (128,),
                     (_p(w), _p(ws), _p(ws2), _p(a), _p(a_scale), _i(a_by_token), _p(sorted_pair), _p(offs),

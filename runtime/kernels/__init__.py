@@ -34,6 +34,11 @@ TILES = {
     "w4a16_nvfp4": ((1, 1), (1, 2), (2, 4), (2, 8)),
     "w4a8_mxfp4_fp8": ((1, 1), (1, 2), (2, 4), (4, 4)),
 }
+# Split-K variants (the GEMM's SK: warps of a CTA sharing an m-tile group, each on 1/SK of K) of the
+# decode tile, for calls whose items leave SMs idle (cupy_mma.py: _split). MXFP4 only, the format they
+# were timed on (BENCHMARKS.md, "4-bit decode GEMMs"); the kernel also allows them for NVFP4 and w4a8.
+SPLITS = {"w4a16_mxfp4": (2, 4)}
+SPLIT_TILE = (1, 1)
 # Further tiles the sweep times (compiled only when asked for: `extra_tiles`).
 EXTRA_TILES = ((1, 4), (1, 8), (2, 8), (4, 4))
 
@@ -42,12 +47,20 @@ def tiles(fmt: str) -> tuple[tuple[int, int], ...]:
     return TILES[fmt]
 
 
-def gemm_name(fmt: str, epi: int, tile: tuple[int, int]) -> str:
-    return f"moe_gemm_{WF[fmt]}_{AQ[fmt]}_{epi}_{tile[0]}_{tile[1]}"
+def splits(fmt: str, tile) -> tuple[int, ...]:
+    """The split-K factors compiled for `tile` of `fmt` (ascending; empty: none)."""
+    return SPLITS.get(fmt, ()) if tuple(tile[:2]) == SPLIT_TILE else ()
+
+
+def gemm_name(fmt: str, epi: int, tile) -> str:
+    """Kernel name of a warp tile (MT, NT) or (MT, NT, SK); SK = 1 is the plain kernel."""
+    split = f"_{tile[2]}" if len(tile) > 2 and tile[2] > 1 else ""
+    return f"moe_gemm_{WF[fmt]}_{AQ[fmt]}_{epi}_{tile[0]}_{tile[1]}{split}"
 
 
 def gemm_instances(fmt: str, epis=(EPI_GATED, EPI_RELU2, EPI_DOWN), extra_tiles=()) -> tuple[tuple[int, ...], ...]:
     all_tiles = tiles(fmt) + tuple(t for t in extra_tiles if t not in tiles(fmt))
+    all_tiles += tuple((*t, sk) for t in tiles(fmt) for sk in splits(fmt, t))
     return tuple((WF[fmt], AQ[fmt], epi, *tile) for epi in epis for tile in all_tiles)
 
 
@@ -62,7 +75,8 @@ def all_instances() -> tuple[tuple[int, ...], ...]:
 
 
 def source_text(instances) -> str:
-    lines = "".join(f"MOE_GEMM_INSTANCE({', '.join(map(str, inst))})\n" for inst in instances)
+    lines = "".join(f"MOE_GEMM_INSTANCE{'_SPLIT' if len(inst) > 5 else ''}({', '.join(map(str, inst))})\n"
+                    for inst in instances)
     return SOURCE.read_text() + "\n// ---- instances ----\n" + lines
 
 

@@ -51,8 +51,9 @@ def relayout_fp4(packed: torch.Tensor, layout: str) -> torch.Tensor:
     return new.view(torch.uint8).reshape(packed.shape)
 
 
-def decode_bf16_word(word: int) -> list[int]:
-    """What moe_kernels.cu's fp4_to_bf16x8 makes of one 32-bit word: 4 bf16x2 bit patterns (for tests)."""
+def decode_bf16_word(word):
+    """What moe_kernels.cu's fp4_to_bf16x8 makes of one 32-bit word: 4 bf16x2 bit patterns (for tests;
+    `word` may be an int or an int64 / uint64 numpy array of words, decoded elementwise)."""
     mag, sgn, m = 0x01C001C0, 0x80008000, 0xFFFFFFFF
     x = word & m
     return [x & (mag | sgn),

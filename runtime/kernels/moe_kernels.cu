@@ -663,7 +663,11 @@ template <int WF, int MT, int NT> struct Unroll {
   static constexpr int V = (MT * NT >= 8) ? 1 : (MT * NT >= 2 ? 2 : (W >= 64 ? 2 : 4));
 };
 
-template <int WF, int AQ, int EPI, int MT, int NT>
+// SK > 1 splits K inside the CTA: SK warps share each m-tile group, each walks a contiguous 1/SK of
+// the chunks, and the partial sums meet in shared memory (fixed order: deterministic) before warp
+// ks = 0 of the group runs the epilogue. The grid then holds SK times more warps for the same
+// rows: decode calls whose items would leave SMs idle use it (runtime/experts/cupy_mma.py: _split).
+template <int WF, int AQ, int EPI, int MT, int NT, int SK>
 __device__ __forceinline__ void moe_gemm_impl(
     const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2,
     const u8* __restrict__ A, const float* __restrict__ AS, int a_by_token,
@@ -677,17 +681,25 @@ __device__ __forceinline__ void moe_gemm_impl(
   constexpr bool FP8MMA = (AQ != AQ_NONE);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
+  static_assert(SK == 1 || ((WF == WF_MXFP4 || WF == WF_NVFP4) && (SK == 2 || SK == 4)),
+                "split K: 4-bit formats (per-chunk scales), 2 or 4 warps per m-tile group");
+  constexpr int GROUPS = 4 / SK;   // m-tile groups of MT per CTA
+  const int grp = warp / SK, ks = warp % SK;
   const int n_tiles16 = N / 16;   // gated: N = 2I and one m-tile holds 8 gate + 8 up rows
-  const int nblocks = (n_tiles16 + 4 * MT - 1) / (4 * MT);
+  const int nblocks = (n_tiles16 + GROUPS * MT - 1) / (GROUPS * MT);
   const int items = num_tiles[0] * nblocks;
   const int nch = K / 64;
+  const int kc0 = ks * nch / SK, kc1 = (ks + 1) * nch / SK;   // this warp's chunks [kc0, kc1)
+  __shared__ float red[SK > 1 ? 4 : 1][SK > 1 ? MT * NT * 4 : 1][32];
   const size_t wrow = (size_t)K * WTraits<WF>::CHUNK / 64;     // bytes per weight row
   const size_t arow_bytes = (size_t)K * ATraits<AQ>::CHUNK / 64;
 
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int tile = item / nblocks, nb = item - tile * nblocks;
-    const int mt0 = (nb * 4 + warp) * MT;
-    if (mt0 >= n_tiles16) continue;   // this warp has no rows in the edge block
+    const int mt0 = (nb * GROUPS + grp) * MT;
+    // this warp has no rows in the edge block (split K: it computes clamped rows and stores none,
+    // as its group's other warps meet it at the barriers below)
+    if (SK == 1 && mt0 >= n_tiles16) continue;
     const int le = tile_expert[tile];
     const int r0 = tile_row[tile];
     const int cnt = min(BT, offs[le + 1] - r0);
@@ -742,7 +754,7 @@ __device__ __forceinline__ void moe_gemm_impl(
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int c = c0 + u;
-          if (c < nch) {
+          if (c < kc1) {
             load_w<WF, MT>(wp, c, w[u]);
             load_a<AQ, NT>(ap, c, a[u]);
             if constexpr (WF == WF_MXFP4 || WF == WF_NVFP4) {
@@ -768,7 +780,7 @@ __device__ __forceinline__ void moe_gemm_impl(
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int c = c0 + u;
-          if (c >= nch) continue;
+          if (c >= kc1) continue;
 #pragma unroll
           for (int m = 0; m < MT; ++m) {
             if constexpr (!FP8MMA) {
@@ -875,12 +887,35 @@ __device__ __forceinline__ void moe_gemm_impl(
     };
     u32 wA[U][MT][2][WW], aA[U][NT][AW], sA[U][MT][2];
     u32 wB[U][MT][2][WW], aB[U][NT][AW], sB[U][MT][2];
-    load_group(0, wA, aA, sA);
-    for (int c0 = 0; c0 < nch; c0 += 2 * U) {
-      if (c0 + U < nch) load_group(c0 + U, wB, aB, sB);
+    load_group(kc0, wA, aA, sA);
+    for (int c0 = kc0; c0 < kc1; c0 += 2 * U) {
+      if (c0 + U < kc1) load_group(c0 + U, wB, aB, sB);
       compute_group(c0, wA, aA, sA);
-      if (c0 + 2 * U < nch) load_group(c0 + 2 * U, wA, aA, sA);
-      if (c0 + U < nch) compute_group(c0 + U, wB, aB, sB);
+      if (c0 + 2 * U < kc1) load_group(c0 + 2 * U, wA, aA, sA);
+      if (c0 + U < kc1) compute_group(c0 + U, wB, aB, sB);
+    }
+    if constexpr (SK > 1) {
+      if (ks) {
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+          for (int f = 0; f < NT; ++f)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) red[warp][(m * NT + f) * 4 + i][lane] = acc[m][f][i];
+      }
+      __syncthreads();
+      if (ks == 0) {
+#pragma unroll
+        for (int j = 1; j < SK; ++j)
+#pragma unroll
+          for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int f = 0; f < NT; ++f)
+#pragma unroll
+              for (int i = 0; i < 4; ++i) acc[m][f][i] += red[warp + j][(m * NT + f) * 4 + i][lane];
+      }
+      __syncthreads();   // the next item's partial sums overwrite red
+      if (ks) continue;
     }
     // ---- epilogue ----
 #pragma unroll
@@ -943,13 +978,18 @@ __device__ __forceinline__ void moe_gemm_impl(
   }
 }
 
-#define MOE_GEMM_INSTANCE(WF, AQ, EPI, MT, NT)                                                             \
-  extern "C" __global__ void __launch_bounds__(THREADS) moe_gemm_##WF##_##AQ##_##EPI##_##MT##_##NT(            \
+#define MOE_GEMM_KERNEL(NAME, WF, AQ, EPI, MT, NT, SK)                                                      \
+  extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                               \
       const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2,                 \
       const u8* __restrict__ A, const float* __restrict__ AS, int a_by_token,                              \
       const int* __restrict__ sorted_pair, const int* __restrict__ offs, const int* __restrict__ tile_expert, \
       const int* __restrict__ tile_row, const int* __restrict__ num_tiles, const float* __restrict__ bias,   \
       void* __restrict__ out, int N, int K, int I, int topk, int kind, float alpha, float limit) {          \
-    moe_gemm_impl<WF, AQ, EPI, MT, NT>(W, WS, WS2, A, AS, a_by_token, sorted_pair, offs, tile_expert,       \
+    moe_gemm_impl<WF, AQ, EPI, MT, NT, SK>(W, WS, WS2, A, AS, a_by_token, sorted_pair, offs, tile_expert,       \
                                        tile_row, num_tiles, bias, out, N, K, I, topk, kind, alpha, limit);  \
   }
+#define MOE_GEMM_INSTANCE(WF, AQ, EPI, MT, NT) \
+  MOE_GEMM_KERNEL(moe_gemm_##WF##_##AQ##_##EPI##_##MT##_##NT, WF, AQ, EPI, MT, NT, 1)
+// split-K variants: the name carries SK as a sixth number
+#define MOE_GEMM_INSTANCE_SPLIT(WF, AQ, EPI, MT, NT, SK) \
+  MOE_GEMM_KERNEL(moe_gemm_##WF##_##AQ##_##EPI##_##MT##_##NT##_##SK, WF, AQ, EPI, MT, NT, SK)

@@ -20,6 +20,7 @@ import zlib
 import pytest
 import torch
 
+from runtime import kernels as K
 from runtime.experts.base import DictExpertSource, ExpertParallel, MoeShape
 from runtime.experts.cupy_mma import CupyMmaBf16Experts
 from tests.gpu.helpers_graphs import assert_graph_replay_matches_eager
@@ -103,6 +104,65 @@ def test_real_layer_shapes(cls):
     for tokens in (3, 70):
         ids, weights = random_routing(tokens, spec, seed=22 + tokens)
         hidden = random_hidden(tokens, spec, seed=23 + tokens)
+        out = module(hidden.cuda(), ids.cuda(), weights.cuda())
+        assert_rel_close(out.cpu(), _reference(cls, spec, tensors, hidden, ids, weights), *_tolerance(cls.FORMAT))
+
+
+@pytest.mark.parametrize("cls", [c for c in CUPY_EXPERTS if c.FORMAT in K.SPLITS], ids=lambda c: c.FORMAT)
+def test_split_k_decode_kernels_match_vanilla_and_repeat_exactly(cls):
+    """Every split-K factor of the decode tile, forced, on K = 320 and 192 (5 and 3 chunks: with SK = 4
+    and 3 chunks one warp of each group has none), and the factor `_split` picks at T = 1 of the real
+    layer shape: VANILLA's result within the usual bounds, and bit-identical on a second call (the
+    partial sums meet in a fixed order)."""
+    h, i = DEFAULT_SHAPE
+    spec = MoeShape(h, i, 8, 3, "swiglu_oai", expert_bias=True)
+    tensors = make_expert_tensors(spec, cls.FORMAT, seed=81, weight_std=3.0)
+    module = _module(cls, spec, tensors)
+    for tokens in (1, 2, 5):
+        ids, weights = random_routing(tokens, spec, seed=82 + tokens)
+        hidden = random_hidden(tokens, spec, seed=83 + tokens)
+        expected = _reference(cls, spec, tensors, hidden, ids, weights)
+        for sk in (1,) + K.splits(cls.FORMAT, K.SPLIT_TILE):
+            args = (hidden.cuda(), ids.cuda(), weights.cuda())
+            first = module(*args, tile=(*K.SPLIT_TILE, sk))
+            again = module(*args, tile=(*K.SPLIT_TILE, sk))
+            torch.cuda.synchronize()
+            assert torch.equal(first, again), (tokens, sk)
+            try:
+                assert_rel_close(first.cpu(), expected, *_tolerance(cls.FORMAT))
+            except AssertionError as err:
+                raise AssertionError(f"{cls.FORMAT} tokens={tokens} split={sk}: {err}") from None
+
+    real = dataclasses.replace(REAL_SHAPES[cls.FORMAT], num_experts=4)   # T = 1 routes to all four
+    tensors = make_expert_tensors(real, cls.FORMAT, seed=84, weight_std=3.0)
+    module = _module(cls, real, tensors)
+    kern = module._kernels(torch.device("cuda"))
+    # one token, 4 experts: 180 down-projection items fill too few SMs, so its GEMM2 is split
+    assert module._split(kern, K.EPI_DOWN, K.SPLIT_TILE, 4, real.hidden_size)[2] > 1
+    ids, weights = random_routing(1, real, seed=85)
+    hidden = random_hidden(1, real, seed=86)
+    out = module(hidden.cuda(), ids.cuda(), weights.cuda())
+    assert_rel_close(out.cpu(), _reference(cls, real, tensors, hidden, ids, weights), *_tolerance(cls.FORMAT))
+
+
+@pytest.mark.parametrize("cls", [c for c in CUPY_EXPERTS if "mxfp4" in c.FORMAT], ids=lambda c: c.FORMAT)
+def test_mxfp4_scales_above_two_take_the_second_factor(cls):
+    """E8M0 bytes above 128 (scales > 2^1, beyond one bf16 multiplier in the w4a16 kernel) on some
+    blocks of some rows: the kernel's second factor 2^(e-128) gives VANILLA's result."""
+    h, i = DEFAULT_SHAPE
+    spec = MoeShape(h, i, 8, 3, "silu_glu")
+    tensors = make_expert_tensors(spec, cls.FORMAT, seed=91)
+    gen = torch.Generator().manual_seed(92)
+    for key in [k for k in tensors if k[2] == "weight_scale"]:
+        scale = tensors[key]
+        bump = (torch.rand(scale.shape, generator=gen) < 0.3).to(torch.uint8) * torch.randint(
+            8, 20, scale.shape, generator=gen, dtype=torch.uint8)
+        tensors[key] = (scale.int() + bump.int()).clamp(max=254).to(torch.uint8)
+    assert max(int(tensors[k].max()) for k in tensors if k[2] == "weight_scale") > 128
+    module = _module(cls, spec, tensors)
+    for tokens in (1, 37):
+        ids, weights = random_routing(tokens, spec, seed=93 + tokens)
+        hidden = random_hidden(tokens, spec, seed=94 + tokens)
         out = module(hidden.cuda(), ids.cuda(), weights.cuda())
         assert_rel_close(out.cpu(), _reference(cls, spec, tensors, hidden, ids, weights), *_tolerance(cls.FORMAT))
 

@@ -55,3 +55,24 @@ def test_interleave_gate_up():
     assert both.shape == (2, 32, 3)
     assert torch.equal(both[:, 0:8], gate[:, 0:8]) and torch.equal(both[:, 8:16], up[:, 0:8])
     assert torch.equal(both[:, 16:24], gate[:, 8:16]) and torch.equal(both[:, 24:32], up[:, 8:16])
+
+
+def test_bf16_decode_is_exact_for_every_code_combination():
+    """All 2^16 code combinations of each half word (elements 0..3 and 4..7): re-laid, decoded the kernel's
+    way (shifts and masks) and scaled by 2^126, they are ml_dtypes' float4_e2m1fn values."""
+    import ml_dtypes
+    import numpy as np
+
+    combos = np.arange(1 << 16, dtype=np.uint32)
+    nibbles = (combos[:, None] >> (4 * np.arange(4, dtype=np.uint32))) & 0xF          # [65536, 4]
+    codes = np.concatenate([nibbles, nibbles[::-1]], axis=1).astype(np.uint8)           # [65536, 8]
+    packed = fp4.pack_fp4(torch.from_numpy(codes))                                       # [65536, 4]
+    packed = torch.cat([packed, torch.zeros(1 << 16, 28, dtype=torch.uint8)], 1)          # one 64-chunk row
+    words = relayout_fp4(packed, "bf16").view(torch.int32)[:, 0].numpy().astype(np.int64) & 0xFFFFFFFF
+    pairs = np.stack(decode_bf16_word(words), axis=1).astype(np.uint64)                  # [65536, 4]
+    halves = np.stack([pairs & 0xFFFF, pairs >> 16], axis=2).reshape(-1, 8)               # element order
+    got = (halves.astype(np.uint32) << 16).view(np.float32).astype(np.float64) * 2.0 ** 126
+    expected = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+    assert np.array_equal(got, expected)
+    assert np.array_equal(np.signbit(got), np.signbit(expected))                         # -0 stays -0
+
