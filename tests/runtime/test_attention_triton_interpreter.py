@@ -45,13 +45,14 @@ def bf16_dot(monkeypatch):
                         lambda self, a, b, *rest: dot(self, upcast(a), upcast(b), *rest))
 
 
-def _inputs(seq, q_heads, kv_heads, dim, mode, seed, batch=2, offset=5, sinks_dtype=torch.float32):
+def _inputs(seq, q_heads, kv_heads, dim, mode, seed, batch=2, offset=5, sinks_dtype=torch.float32,
+            dtype=torch.bfloat16):
     """`mode`: "prompt" (positions offset .. offset+S-1, keys the queries' own), "gapped" (increasing with
     gaps), "cached" (queries at offset .. offset+S-1 over a cache of offset+S+70 slots, `k_positions = arange`)."""
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen) * scale).to(torch.bfloat16)
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
     length = offset + seq + 70 if mode == "cached" else seq
     q = rand(batch, seq, q_heads, dim)
@@ -80,7 +81,7 @@ def _check(seq, q_heads, kv_heads, dim, window, with_sinks, mode, seed, **kw):
     sinks = sinks if with_sinks else None
     out = attention_prefill.attention(q, k, v, q_pos, k_pos, dim ** -0.5, window, sinks)
     ref = _oracle(q, k, v, q_pos, k_pos, window, sinks)
-    assert out.shape == ref.shape and out.dtype == torch.bfloat16
+    assert out.shape == ref.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all()
     err = _rel(out, ref)
     assert err < TOLERANCE, f"relative error {err:.2e}"
@@ -118,6 +119,10 @@ def test_groups_head_dims_and_positions_match_the_float64_oracle(q_heads, kv_hea
 
 def test_bf16_sinks_are_read_as_they_are():
     _check(130, 16, 2, 64, 128, True, "prompt", seed=3, sinks_dtype=torch.bfloat16)
+
+
+def test_fp16_inputs_give_fp16_outputs():
+    _check(130, 16, 2, 64, 4, True, "cached", seed=4, dtype=torch.float16)
 
 
 def test_sinks_and_the_window_change_the_output():
