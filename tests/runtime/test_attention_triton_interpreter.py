@@ -97,7 +97,8 @@ def test_gqa_prompt_matches_the_float64_oracle(seq, window, with_sinks):
 
 
 # Groups 1 and 8, head dims 16 (the tiny gpt-oss build) to 128, each kind of positions.
-# Offset 49 puts the last query of the cached block's first row tile (16 queries) on the first slot of a key tile.
+# Offset 49 puts the last query of the cached block's first row tile (16 queries) on the first slot of a key
+# tile; offset 57 its first query 7 keys before a key tile's end (the last tile every row of it sees whole).
 @pytest.mark.parametrize("q_heads,kv_heads,dim,seq,window,with_sinks,mode,offset", [
     (2, 2, 64, 300, 128, True, "prompt", 5),
     (2, 2, 128, 130, 4, True, "prompt", 5),
@@ -108,6 +109,8 @@ def test_gqa_prompt_matches_the_float64_oracle(seq, window, with_sinks):
     (16, 2, 64, 130, 4, True, "gapped", 5),
     (16, 2, 64, 130, 128, True, "cached", 5),
     (16, 2, 64, 17, None, True, "cached", 49),
+    (16, 2, 64, 130, None, False, "cached", 57),
+    (16, 2, 64, 130, 100, True, "cached", 57),
     (2, 2, 128, 1, 4, False, "cached", 5),
     (4, 2, 16, 40, 8, True, "prompt", 5),
     (8, 1, 32, 77, None, True, "cached", 5),
