@@ -156,8 +156,10 @@ def test_graph_replay_equals_the_eager_call(case):
 def test_tiny_gpt_oss_prefill_on_the_gpu_gives_its_cpu_logits(kernel_calls):
     """The sm_90 build in bf16 on the GPU (its sliding layer of window 8 and its full layer, both with sinks, on
     the prefill kernel: a 40-token prompt as a full forward and as a Decoder's cached prefill) against the same
-    weights in fp32 on the CPU (the eager attention). bf16 against fp32 measured 4.7e-3 on the CPU; dropping
-    the sinks moves the logits by 0.15, ignoring the window by 0.18."""
+    weights in fp32 on the CPU (the eager attention). Measured on the CPU with the kernel in the interpreter,
+    six prompts: the median position's relative error 4.9e-3 to 5.3e-3; bf16 can flip a top-k routing choice at
+    a position (whole-tensor error up to 0.05, the eager bf16 attention's too), hence the median. Dropping the
+    sinks moves the logits by 0.15, ignoring the window by 0.18."""
     gpu = sm90_build("tiny_gpt_oss", torch.bfloat16)
     cpu = type(gpu)(device="cpu", dtype=torch.float32)
     cpu.load_state_dict({name: t.float().cpu() for name, t in gpu.state_dict().items()})
@@ -165,11 +167,12 @@ def test_tiny_gpt_oss_prefill_on_the_gpu_gives_its_cpu_logits(kernel_calls):
     ids = builds.token_ids(gpu.lm_head.weight.shape[0], batch=2, length=40)
     expected = cpu(ids).float()
 
-    logits = gpu(ids.cuda()).float().cpu()
+    logits = gpu(ids.cuda()).float()
     assert kernel_calls == [(2, 40, 4, 16)] * 2
-    assert builds.rel_err(logits, expected) < 3e-2
+    assert float(builds.per_position_err(logits.cpu(), expected).median()) < 2e-2
 
+    # The cached prefill (a prompt block over a 64-slot cache) gives the full forward's last logits.
     decoder = Decoder(gpu, 2, 64)
-    last = decoder.prefill(ids.cuda()).float().cpu()
+    last = decoder.prefill(ids.cuda()).float()
     assert kernel_calls == [(2, 40, 4, 16)] * 4
-    assert builds.rel_err(last, expected[:, -1]) < 3e-2
+    assert builds.rel_err(last, logits[:, -1]) < 1e-2
