@@ -1,12 +1,11 @@
-"""TRITON experts: the CUPY experts with prefill GEMMs written in Triton (wgmma on sm_90, FP8 at the E4M3 rate, MXFP4 decoded in registers).
+"""TRITON experts: the CUPY experts with prefill GEMMs written in Triton (wgmma on sm_90, FP8 at the E4M3 rate).
 
 The CUPY GEMMs are mma.sync kernels that stream weights into registers: right for decode, where
 they read weights at up to 4.4 TB/s, but on sm_90 mma.sync runs FP8 as f16 HMMA and bf16 well below
 the wgmma rate. Here, once a call routes enough rows per expert (`TRITON_MIN_ROWS`), both GEMMs run
 as Triton grouped GEMMs (runtime/kernels/triton_grouped.py) over the same CUPY routing, activation
 quantization and combine kernels; smaller calls run the CUPY path unchanged. Same buffers and weight
-layouts as the CUPY class of the format (weights stay packed: FP8 codes and block scales; MXFP4 nibbles
-and E8M0 bytes, decoded to bf16 in the GEMMs' registers).
+layouts as the CUPY class of the format (weights stay packed: FP8 codes and block scales).
 
 Per prefill call, with no host synchronization (CUDA-graph capturable): `moe_align` (tiles of BM
 rows of one expert), FP8 only: `quant_fp8_rows` of the tokens (1x128 groups), `gemm1` (token rows
@@ -19,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import kernels as K
-from .cupy_mma import CupyMmaBf16Experts, CupyMmaFp8BlockScalesExperts, CupyMmaW4a16Mxfp4Experts, _i, _p
+from .cupy_mma import CupyMmaBf16Experts, CupyMmaFp8BlockScalesExperts, _i, _p
 
 _ACT = {"silu_glu": 0, "swiglu_oai": 1, "relu2": 2}
 
@@ -64,7 +63,7 @@ class _TritonGroupedExperts:
     def _forward_triton(self, hidden, topk_ids, topk_weights, cfg1, cfg2):
         from ..kernels import triton_grouped as T
 
-        spec, fp8, w4 = self.spec, self.FORMAT == "fp8_block_scales", self.FORMAT == "w4a16_mxfp4"
+        spec, fp8 = self.spec, self.FORMAT == "fp8_block_scales"
         (tokens, hsize), top_k, device = hidden.shape, topk_ids.shape[1], hidden.device
         launch = self._launch_inputs(hidden, topk_ids, topk_weights)
         if launch is None:
@@ -86,13 +85,13 @@ class _TritonGroupedExperts:
             hs = self._empty((pairs, inter // 128), torch.float32, device, poison)
         else:
             h = self._empty((pairs, inter), torch.bfloat16, device, poison)
-        T.launch_gemm1(a1, as1, self.w13, self.s13 if fp8 or w4 else None, self.b13 if spec.expert_bias else None,
+        T.launch_gemm1(a1, as1, self.w13, self.s13 if fp8 else None, self.b13 if spec.expert_bias else None,
                        sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs, hidden=hsize, inter=inter,
                        top_k=top_k, max_tiles=max_tiles, alpha=spec.swiglu_alpha, limit=spec.swiglu_limit,
-                       fp8=fp8, gated=spec.gated, act=_ACT[spec.activation], cfg=cfg1, w4=w4)
+                       fp8=fp8, gated=spec.gated, act=_ACT[spec.activation], cfg=cfg1)
         y = self._empty((pairs, hsize), torch.bfloat16, device, poison)
-        T.launch_gemm2(h, hs, self.w2, self.s2 if fp8 or w4 else None, offs, tile_expert, tile_row, num_tiles, y,
-                       hidden=hsize, inter=inter, max_tiles=max_tiles, fp8=fp8, cfg=cfg2, w4=w4)
+        T.launch_gemm2(h, hs, self.w2, self.s2 if fp8 else None, offs, tile_expert, tile_row, num_tiles, y,
+                       hidden=hsize, inter=inter, max_tiles=max_tiles, fp8=fp8, cfg=cfg2)
         return self._combine(kern, stream, y, 1, pair_pos, sorted_expert, weights, tokens, hidden.dtype)
 
 
@@ -110,14 +109,3 @@ class TritonWgmmaFp8BlockScalesExperts(_TritonGroupedExperts, CupyMmaFp8BlockSca
     IMPL_ID = "triton.wgmma.grouped_gemm.fp8_block_scales"
     CONFIGS = ((1e9, ((64, 128, 128, 8, 3, 8), (64, 128, 128, 4, 4, 8))),)
 
-
-
-class TritonWgmmaW4a16Mxfp4Experts(_TritonGroupedExperts, CupyMmaW4a16Mxfp4Experts):
-    __doc__ = ("TRITON, MXFP4 weights kept packed and decoded to bf16 in registers, bf16 activations: Triton "
-               "grouped GEMMs on bf16 wgmma for prefill (the E2M1 nibbles of each K-block turned into bf16 and "
-               "scaled by their E8M0 byte before the dot), the CUPY kernels for decode. "
-               + _TritonGroupedExperts.__doc__)
-    IMPL_ID = "triton.wgmma.grouped_gemm.w4a16_mxfp4"
-    # not measured yet: 128-row tiles decode each expert's weights once per 128 of its rows (gpt-oss at
-    # 2048 tokens routes 64 a expert), 64-channel K-blocks (two E8M0 bytes a row)
-    CONFIGS = ((1e9, ((128, 64, 64, 8, 3, 8), (128, 128, 64, 8, 3, 8))),)

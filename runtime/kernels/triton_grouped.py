@@ -14,13 +14,9 @@ the CUPY `moe_combine`. FP8: one 128x128 weight block scale and one 1x128 activa
 K-block, promoted into the fp32 accumulator after each block's product (as DeepSeek's recipe does).
 That K-loop (`block_scaled_dot`), the 1x128 quantization (`quant_1x128`) and the program order
 (`program_tiles`) are also the dense FP8 linear's (runtime/kernels/triton_fp8_linear.py).
-W4 (w4a16_mxfp4): the weights stay in the CUPY class's packed layout (E2M1 codes in
-runtime/kernels/layouts `BF16_WORD` order, one E8M0 byte per 32 along K); each K-block's words are
-decoded to bf16 in registers (`mxfp4_dequant`) and meet the bf16 activations in the same tl.dot.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -74,43 +70,15 @@ def quant_1x128(xf):
 
 
 @triton.jit
-def mxfp4_dequant(w_ptr, s_ptr, rows, k0, K, BK: tl.constexpr):
-    """bf16 [R, BK]: columns k0 .. k0 + BK of rows `rows` (int64 [R]) of a packed MXFP4 [rows, K]
-    matrix: `w_ptr` its int32 words (K / 8 a row, 8 E2M1 codes each in the runtime/kernels/layouts
-    `BF16_WORD` bit order), `s_ptr` its E8M0 bytes (K / 32 a row). Exact: code i's 3 magnitude bits
-    go to fp32 bits 22..24 and its sign to bit 31, which is E2M1 * 2^-126 (a subnormal for 0 and 0.5:
-    the GPU's fp32 multiply keeps subnormals, only libdevice flushes them), times 2^126 times the
-    scale 2^(s - 127); the products have at most 2 significant bits, so the bf16 cast is exact."""
-    WORDS: tl.constexpr = BK // 8
-    widx = k0 // 8 + tl.arange(0, WORDS)
-    words = tl.load(w_ptr + rows[:, None] * (K // 8) + widx[None, :])
-    sbits = tl.load(s_ptr + rows[:, None] * (K // 32) + (widx // 4)[None, :]).to(tl.int32)
-    scale = (sbits << 23).to(tl.float32, bitcast=True)           # byte 0 (2^-127) reads as 0
-    i = tl.arange(0, 8)
-    j, odd = i // 2, (i % 2) * 16
-    mag_pos = 6 + odd + 3 * j - 12 * (j == 3).to(tl.int32)      # layouts.BF16_WORD
-    sign_pos = tl.where(j == 0, 15, j - 1) + odd
-    x = words[:, :, None]
-    bits = (((x << (29 - mag_pos)[None, None, :]) >> 7) & 0x01C00000) | \
-        ((x << (31 - sign_pos)[None, None, :]) & -2147483648)
-    v = bits.to(tl.float32, bitcast=True) * 8.507059173023462e+37 * scale[:, :, None]   # 2^126
-    return tl.reshape(v.to(tl.bfloat16), [rows.shape[0], BK])
-
-
-@triton.jit
 def block_scaled_dot(a_desc, a_row0, sa_ptrs, w_desc, w_row0, sb_ptrs, k_lo, k_hi, acc, FP8: tl.constexpr,
-                     BK: tl.constexpr, W4: tl.constexpr = False):
+                     BK: tl.constexpr):
     """`acc` plus A[a_row0:, k_lo:k_hi] @ W[w_row0:, k_lo:k_hi]^T (both K-major, through their TMA
     descriptors). FP8: each 128-wide K-block's product is scaled by its rows' activation scale
     (`sa_ptrs[kblk]`, [BM]) times its columns' weight block scale (`sb_ptrs[kblk]`, [BN]) before it
-    joins the fp32 accumulator (BK == 128). W4: W is packed MXFP4 (`mxfp4_dequant`): `w_desc` its
-    words, `w_row0` its rows (int64 [BN]), `sb_ptrs` its E8M0 bytes, k_lo == 0 and k_hi == K."""
+    joins the fp32 accumulator (BK == 128)."""
     for k0 in range(k_lo, k_hi, BK):
         a = a_desc.load([a_row0, k0])
-        if W4:
-            b = mxfp4_dequant(w_desc, sb_ptrs, w_row0, k0, k_hi, BK)
-        else:
-            b = w_desc.load([w_row0, k0])
+        b = w_desc.load([w_row0, k0])
         if FP8:
             kblk = k0 // _SCALE_BLOCK
             acc += tl.dot(a, b.T) * (tl.load(sa_ptrs + kblk)[:, None] * tl.load(sb_ptrs + kblk)[None, :])
@@ -123,10 +91,9 @@ def block_scaled_dot(a_desc, a_row0, sa_ptrs, w_desc, w_row0, sb_ptrs, k_lo, k_h
 def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr,
           num_tiles_ptr, h_ptr, hs_ptr, H, INTER, TOP_K, max_tiles, alpha, limit,
           FP8: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, W4: tl.constexpr = False):
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     # one dot over BNW consecutive w13 rows: gate and up interleaved in blocks of 8
-    # (runtime/kernels/layouts.interleave_gate_up), split in the epilogue. W4: `w_desc` is the
-    # packed words of w13, `ws_ptr` its E8M0 bytes [n, N1, H/32]
+    # (runtime/kernels/layouts.interleave_gate_up), split in the epilogue
     PLANES: tl.constexpr = 2 if GATED else 1
     BNW: tl.constexpr = BN * PLANES
     pid_m, pid_n = program_tiles(tl.program_id(0), max_tiles, tl.cdiv(INTER, BN), GROUP_M)
@@ -153,10 +120,7 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, ti
     acc = tl.zeros([BM, BNW], dtype=tl.float32)
     for k0 in range(0, H, BK):
         a = tl.load(a_ptrs)
-        if W4:
-            b = mxfp4_dequant(w_desc, ws_ptr, e * n1 + wrow, k0, H, BK)
-        else:
-            b = w_desc.load([w_row0, k0])
+        b = w_desc.load([w_row0, k0])
         if FP8:
             kblk = k0 // _SCALE_BLOCK
             acc += tl.dot(a, b.T) * (tl.load(xs_ptrs + kblk)[:, None] * tl.load(sw_ptrs + kblk)[None, :])
@@ -181,9 +145,8 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, ti
     else:
         r = tl.maximum(u, 0.0)
         h = r * r
-    # the intermediate is rounded to bf16 first, as the bf16 activation of every other path is (on the
-    # grid explicitly: exact on the GPU, honest in the interpreter, whose cast truncates)
-    hb = round_to_grid(h, 7, -126).to(tl.bfloat16)
+    # the intermediate is rounded to bf16 first, as the bf16 activation of every other path is
+    hb = h.to(tl.bfloat16)
     cols = pid_n * BN + tl.arange(0, BN)
     out_rows = rows.to(tl.int64)
     smask = rmask[:, None] & (cols < INTER)[None, :]
@@ -199,8 +162,7 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, ti
 @triton.jit
 def gemm2(h_desc, hs_ptr, w_desc, ws_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, y_ptr,
           H, INTER, max_tiles, FP8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-          GROUP_M: tl.constexpr, W4: tl.constexpr = False):
-    # W4: `w_desc` is the packed words of w2, `ws_ptr` its E8M0 bytes [n, H, I/32]
+          GROUP_M: tl.constexpr):
     pid_m, pid_n = program_tiles(tl.program_id(0), max_tiles, tl.cdiv(H, BN), GROUP_M)
     if pid_m >= tl.load(num_tiles_ptr):
         return
@@ -214,14 +176,8 @@ def gemm2(h_desc, hs_ptr, w_desc, ws_ptr, offs_ptr, tile_expert_ptr, tile_row_pt
     # s2 [n, H/128, I/128]
     sb_ptrs = ws_ptr + (e * (H // _SCALE_BLOCK) + tl.minimum(cols, H - 1) // _SCALE_BLOCK) * kb_count
     sa_ptrs = hs_ptr + rows.to(tl.int64) * kb_count
-    if W4:
-        # rows past H read the last row (a valid address); their columns are never stored
-        w_rows = e * H + tl.minimum(cols, H - 1)
-        acc = block_scaled_dot(h_desc, row0, sa_ptrs, w_desc, w_rows, ws_ptr, 0, INTER,
-                               tl.zeros([BM, BN], dtype=tl.float32), False, BK, True)
-    else:
-        acc = block_scaled_dot(h_desc, row0, sa_ptrs, w_desc, w_row0, sb_ptrs, 0, INTER,
-                               tl.zeros([BM, BN], dtype=tl.float32), FP8, BK)
+    acc = block_scaled_dot(h_desc, row0, sa_ptrs, w_desc, w_row0, sb_ptrs, 0, INTER,
+                           tl.zeros([BM, BN], dtype=tl.float32), FP8, BK)
     out = y_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :]
     tl.store(out, round_to_grid(acc, 7, -126).to(tl.bfloat16), mask=rmask[:, None] & (cols < H)[None, :])
 
@@ -230,46 +186,29 @@ def _desc(t2d, block):
     return TensorDescriptor.from_tensor(t2d, list(block))
 
 
-def _weight(w, block, w4):
-    """The weight argument: a TMA descriptor over [rows, K], or (W4) the int32 words of packed uint8
-    [n, rows, K/2] (K % 64 == 0: whole words and whole 32-blocks)."""
-    if w4:
-        if w.dtype != torch.uint8 or w.shape[-1] % 32:
-            raise ValueError(f"W4 weights are packed uint8 [..., K/2] with K % 64 == 0, got {tuple(w.shape)} {w.dtype}")
-        return w.contiguous().view(torch.int32)
-    return _desc(w.reshape(-1, w.shape[-1]), block)
-
-
 def launch_gemm1(x, xs, w, ws, bias, sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs, *, hidden,
-                 inter, top_k, max_tiles, alpha, limit, fp8, gated, act, cfg, w4=False):
-    """GEMM1 over w13 [n, N1, H] (gate/up interleaved; W4: packed [n, N1, H/2] with E8M0 bytes ws
-    [n, N1, H/32]); cfg = (BM, BN of h, BK, warps, stages[, GROUP_M])."""
+                 inter, top_k, max_tiles, alpha, limit, fp8, gated, act, cfg):
+    """GEMM1 over w13 [n, N1, H] (gate/up interleaved); cfg = (BM, BN of h, BK, warps, stages[, GROUP_M])."""
     bm, bn, bk, warps, stages, group_m = (*cfg, 0)[:6]
     if fp8 and (bn != 128 or bk != 128):
         raise ValueError(f"FP8 gemm1 needs BN = BK = 128 (one activation group, one weight block), got {cfg}")
-    if w4 and (fp8 or bk % 32 or hidden % bk):
-        raise ValueError(f"W4 gemm1 takes bf16 activations and BK a multiple of 32 dividing {hidden}, got {cfg}")
     bnw = 2 * bn if gated else bn
+    w_desc = _desc(w.reshape(-1, w.shape[-1]), (bnw, bk))
     grid = (max_tiles * triton.cdiv(inter, bn),)
     dummy = offs   # unused pointer arguments of a variant (never read)
-    gemm1[grid](x, xs if fp8 else dummy, _weight(w, (bnw, bk), w4), ws if fp8 or w4 else dummy,
-                bias if bias is not None else dummy,
+    gemm1[grid](x, xs if fp8 else dummy, w_desc, ws if fp8 else dummy, bias if bias is not None else dummy,
                 sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs if fp8 else dummy,
                 hidden, inter, top_k, max_tiles, alpha, limit,
                 FP8=fp8, GATED=gated, ACT=act, HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
-                W4=w4, num_warps=warps, num_stages=stages)
+                num_warps=warps, num_stages=stages)
 
 
-def launch_gemm2(h, hs, w, ws, offs, tile_expert, tile_row, num_tiles, y, *, hidden, inter, max_tiles, fp8, cfg,
-                 w4=False):
-    """GEMM2 over w2 [n, H, I] (W4: packed [n, H, I/2] with E8M0 bytes ws [n, H, I/32]) into bf16 rows
-    y [pairs, H]; cfg = (BM, BN, BK, warps, stages[, GROUP_M])."""
+def launch_gemm2(h, hs, w, ws, offs, tile_expert, tile_row, num_tiles, y, *, hidden, inter, max_tiles, fp8, cfg):
+    """GEMM2 over w2 [n, H, I] into bf16 rows y [pairs, H]; cfg = (BM, BN, BK, warps, stages[, GROUP_M])."""
     bm, bn, bk, warps, stages, group_m = (*cfg, 0)[:6]
     if fp8 and bk != 128:
         raise ValueError(f"FP8 gemm2 needs BK = 128 (one weight block), got {cfg}")
-    if w4 and (fp8 or bk % 32 or inter % bk):
-        raise ValueError(f"W4 gemm2 takes bf16 activations and BK a multiple of 32 dividing {inter}, got {cfg}")
     grid = (max_tiles * triton.cdiv(hidden, bn),)
-    gemm2[grid](_desc(h, (bm, bk)), hs if fp8 else offs, _weight(w, (bn, bk), w4),
-                ws if fp8 or w4 else offs, offs, tile_expert, tile_row, num_tiles, y, hidden, inter, max_tiles,
-                FP8=fp8, BM=bm, BN=bn, BK=bk, GROUP_M=group_m, W4=w4, num_warps=warps, num_stages=stages)
+    gemm2[grid](_desc(h, (bm, bk)), hs if fp8 else offs, _desc(w.reshape(-1, w.shape[-1]), (bn, bk)),
+                ws if fp8 else offs, offs, tile_expert, tile_row, num_tiles, y, hidden, inter, max_tiles,
+                FP8=fp8, BM=bm, BN=bn, BK=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages)
