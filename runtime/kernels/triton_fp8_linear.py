@@ -7,8 +7,7 @@ the tensor cores with fp32 accumulation: the values and numerics of the dequanti
 per weight read instead of two. One launch (two with split-K: fp32 partials, then `splitk_sum`), no host
 synchronization, CUDA-graph capturable. Rows <= DECODE_MAX_ROWS only (weight streaming: 16/32/64-row
 tiles, K split until the grid covers the SMs `DECODE_WAVES` times, since N / BN tiles alone leave most of
-132 SMs idle for the narrow projections); larger calls take the dense GEMM over the weight `dequantize`
-gives in one pass (runtime/ops/fp8_linear.py).
+132 SMs idle for the narrow projections); larger calls take the dequantized GEMM (runtime/ops/fp8_linear.py).
 """
 from __future__ import annotations
 
@@ -70,28 +69,6 @@ def splitk_sum(p_ptr, y_ptr, MN, SPLITS, BLOCK_E: tl.constexpr, MANT: tl.constex
     for s in range(0, SPLITS):
         acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
     tl.store(y_ptr + offs, _out(acc, MANT, MIN_EXP).to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def dequant(w_ptr, s_ptr, out_ptr, N, K, KB, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
-    """Block (pid0, pid1) of 128x128 codes times its multiplier in fp32, rounded once to the output dtype."""
-    rows = tl.program_id(0) * 128 + tl.arange(0, 128)
-    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
-    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
-    mask = (rows < N)[:, None] & (cols < K)[None, :]
-    v = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(s_ptr + tl.program_id(0) * KB + tl.program_id(1))
-    tl.store(out_ptr + offs, _out(v, MANT, MIN_EXP).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def dequantize(w: torch.Tensor, ws: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """w [N, K] E4M3 and ws [ceil(N/128), ceil(K/128)] as `dtype` (bf16/fp16) values, in one pass: the
-    values runtime/formats/fp8.dequantize_weight_blocks gives, without its fp32 copy of the weight."""
-    n, k = w.shape
-    out = torch.empty((n, k), dtype=dtype, device=w.device)
-    mant, min_exp = _GRID[dtype]
-    dequant[(triton.cdiv(n, BLOCK), triton.cdiv(k, BLOCK))](w, ws, out, n, k, triton.cdiv(k, BLOCK), MANT=mant,
-                                                             MIN_EXP=min_exp, num_warps=8)
-    return out
 
 
 @functools.lru_cache(maxsize=None)

@@ -44,23 +44,20 @@ def _block_split(total: int, size: int, what: str) -> int:
 KERNEL_ROWS = 64   # runtime/kernels/triton_fp8_linear.DECODE_MAX_ROWS
 
 
-def _triton_runs(x: torch.Tensor, in_features: int) -> bool:
-    return (x.is_cuda and in_features % 16 == 0 and x.dtype in (torch.bfloat16, torch.float16)
-            and torch.cuda.get_device_capability(x.device) >= (8, 9))
+def _kernel_runs(x: torch.Tensor, in_features: int, rows: int) -> bool:
+    return (x.is_cuda and 0 < rows <= KERNEL_ROWS and in_features % 16 == 0
+            and x.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(x.device) >= (8, 9))
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`x [..., in] @ dequant(weight, scale)^T`, the weight's values rounded to x's dtype, in x's dtype."""
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.numel() // k if k else 0
-    if not _triton_runs(x, k) or rows == 0:
-        return F.linear(x, fp8.dequantize_weight_blocks(weight, scale, x.dtype))
-    from runtime.kernels import triton_fp8_linear as kernels
+    if _kernel_runs(x, k, rows):
+        from runtime.kernels.triton_fp8_linear import fp8_block_linear as kernel
 
-    if rows <= KERNEL_ROWS:   # weight streaming: the kernel reads one byte per weight
-        return kernels.fp8_block_linear(x.reshape(-1, k).contiguous(), weight, scale).view(*lead, weight.shape[0])
-    # a prompt: the weight decoded in one pass (no fp32 copy), then the dense GEMM
-    return F.linear(x, kernels.dequantize(weight, scale, x.dtype))
+        return kernel(x.reshape(-1, k).contiguous(), weight, scale).view(*lead, weight.shape[0])
+    return F.linear(x, fp8.dequantize_weight_blocks(weight, scale, x.dtype))
 
 
 class _Fp8BlockLinear(nn.Module):

@@ -69,13 +69,3 @@ def test_the_experts_gemm2_still_computes_each_expert_s_product():
     a = fp8.dequantize_act_groups(h, hs).double()
     expected = torch.cat([a[:5] @ weight_blocks(w[0].double(), ws[0]).T, a[5:] @ weight_blocks(w[1].double(), ws[1]).T])
     assert rel(y, expected) <= 2.5e-3
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_the_one_pass_dequantization_is_the_codec_s_bit_for_bit(dtype):
-    """What a prompt's GEMM multiplies: runtime/formats/fp8.dequantize_weight_blocks's values, ragged blocks too."""
-    from runtime.formats import fp8
-
-    gen = torch.Generator().manual_seed(13)
-    codes, scale = quantize_blocks(torch.randn(200, 300, generator=gen) * torch.logspace(-6, 2, 200)[:, None])
-    assert torch.equal(L.dequantize(codes, scale, dtype), fp8.dequantize_weight_blocks(codes, scale, dtype))
