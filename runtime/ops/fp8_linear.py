@@ -5,15 +5,13 @@ the same constructor arguments and split rule, the checkpoint's names (`weight` 
 [out, in], `weight_scale_inv` fp32 [ceil(out/128), ceil(in/128)], a dequant multiplier despite its
 name), so the loader reads both as they are stored. A tensor-parallel shard must hold whole blocks.
 
-Forward: the dequantized layer's product, `x @ W^T` with W each code times its block's multiplier
-rounded to x's dtype (the values runtime/formats/fp8.dequantize_weight_blocks gives the loader's
-dequantizing path, so a build with these layers computes what the same build with dequantized weights
-computes). Decode-sized calls on CUDA (<= KERNEL_ROWS rows, bf16/fp16, sm_89+, `in` a multiple of 16)
-run the Triton W8A16 kernel runtime/kernels/triton_fp8_linear.py, which decodes the weight in registers
-and so reads one byte per weight; the rest (prompts, CPU) dequantize the weight and run the dense GEMM.
-Activations are not quantized: DeepSeek's W8A8 recipe (1x128 FP8 activations) was measured here on an
-H200 with a Triton kernel and lost at prefill to the bf16 GEMM (BENCHMARKS.md), and its rounding of ~20
-linear inputs a layer moved the logits of random-weight builds far from their dequantized model.
+Forward, DeepSeek's recipe: activations quantized per token per 128 channels (E4M3, fp32 scale), each
+128-wide K-block's product scaled by both scales, fp32 accumulation, output in the activation dtype.
+On CUDA (sm_89+, `in` a multiple of 16) that is the Triton kernel runtime/kernels/triton_fp8_linear.py.
+Elsewhere it is the same recipe in torch: the activations quantized and dequantized by
+runtime/formats/fp8 (the kernel's quantization, bit for bit), times the block-dequantized weight in
+fp32. That matches the kernel up to fp32 summation order, where dequantizing the weight alone would
+differ from it by the activation rounding (one E4M3 step, 2^-4 relative).
 """
 from __future__ import annotations
 
@@ -41,23 +39,20 @@ def _block_split(total: int, size: int, what: str) -> int:
     return local
 
 
-KERNEL_ROWS = 64   # runtime/kernels/triton_fp8_linear.DECODE_MAX_ROWS
-
-
-def _kernel_runs(x: torch.Tensor, in_features: int, rows: int) -> bool:
-    return (x.is_cuda and 0 < rows <= KERNEL_ROWS and in_features % 16 == 0
-            and x.dtype in (torch.bfloat16, torch.float16) and torch.cuda.get_device_capability(x.device) >= (8, 9))
+def _kernel_runs(x: torch.Tensor, in_features: int) -> bool:
+    return (x.is_cuda and in_features % 16 == 0 and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and torch.cuda.get_device_capability(x.device) >= (8, 9))
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`x [..., in] @ dequant(weight, scale)^T`, the weight's values rounded to x's dtype, in x's dtype."""
+    """`x [..., in] @ dequant(weight, scale)^T` with x quantized per token per 128 channels, in x's dtype."""
     lead, k = x.shape[:-1], x.shape[-1]
-    rows = x.numel() // k if k else 0
-    if _kernel_runs(x, k, rows):
+    if _kernel_runs(x, k):
         from runtime.kernels.triton_fp8_linear import fp8_block_linear as kernel
 
         return kernel(x.reshape(-1, k).contiguous(), weight, scale).view(*lead, weight.shape[0])
-    return F.linear(x, fp8.dequantize_weight_blocks(weight, scale, x.dtype))
+    w = fp8.dequantize_weight_blocks(weight, scale, torch.float32)
+    return F.linear(fp8.qdq_act_groups(x), w).to(x.dtype)
 
 
 class _Fp8BlockLinear(nn.Module):

@@ -1,11 +1,11 @@
-"""FP8 block-scaled linears on an sm_90 GPU at deepseek_v3's shapes against the float64 oracle, and their CUDA-graph replay.
+"""The Triton FP8 block-scaled linear on an sm_90 GPU at deepseek_v3's shapes against the float64 oracle, and its CUDA-graph replay.
 
 Fresh random weights (quantized to 128x128 blocks by the oracle's own code) and bf16 activations each
-case. Decode-sized calls (<= 64 rows) run the Triton W8A16 kernel, larger ones the dequantized bf16 GEMM;
-both multiply the weight rounded to bf16 (as the oracle does) with fp32 accumulation and round the output
-once: relative error (Frobenius) <= 2.5e-3 (bf16's rounding alone: 1.66e-3 at these shapes, measured on
-the oracle). fp32 inputs take the dequantized GEMM in fp32: 1e-5. Graph replays of the split-K decode and
-the prompt paths equal eager calls exactly.
+case. The kernel accumulates in fp32 and rounds its output to bf16 once: relative error (Frobenius)
+<= 2.5e-3 (bf16's rounding alone: 1.66e-3 at these shapes, measured on the oracle). fp32 outputs: 1e-5
+on the decode tiles; 3e-4 on the 128-row (wgmma) tiles, whose FP8 tensor-core products are summed
+at reduced precision inside each 128-deep block (DeepSeek-V3's report, 3.3.2; measured 1.27e-4 on an
+H200). Graph replays of the prefill and split-K decode paths equal eager calls exactly.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _linear(k, n, seed, row=False):
     return layer, codes, scale
 
 
-CASES = [(k, n, m) for k, n in SHAPES for m in (1, 17, 64)] + [(k, n, 2048) for k, n in SHAPES[:4]]
+CASES = [(k, n, m) for k, n in SHAPES for m in (1, 17, 32)] + [(k, n, 2048) for k, n in SHAPES[:4]]
 
 
 @pytest.mark.parametrize("k,n,m", CASES, ids=lambda v: str(v))
@@ -47,19 +47,6 @@ def test_the_kernel_matches_the_float64_oracle(k, n, m):
     assert rel(y, reference(x, codes, scale)) <= 2.5e-3
 
 
-def test_decode_rows_run_the_kernel_and_prompts_the_dequantized_gemm(monkeypatch):
-    from runtime.kernels import triton_fp8_linear
-
-    calls = []
-    real = triton_fp8_linear.fp8_block_linear
-    monkeypatch.setattr(triton_fp8_linear, "fp8_block_linear", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    layer, _, _ = _linear(1536, 512, seed=4)
-    with torch.no_grad():
-        for m in (1, 64, 65, 2048):
-            layer(torch.randn(m, 1536, device="cuda").to(torch.bfloat16))
-    assert calls == [1, 64]
-
-
 @pytest.mark.parametrize("m", [3, 130])
 def test_three_dimensional_fp32_inputs_keep_their_dtype(m):
     layer, codes, scale = _linear(512, 640, seed=m)
@@ -67,7 +54,7 @@ def test_three_dimensional_fp32_inputs_keep_their_dtype(m):
     with torch.no_grad():
         y = layer(x)
     assert y.dtype == torch.float32 and y.shape == (2, m, 640)
-    assert rel(y, reference(x, codes, scale)) <= 1e-5
+    assert rel(y, reference(x, codes, scale)) <= (1e-5 if 2 * m <= 64 else 3e-4)
 
 
 @pytest.mark.parametrize("m", [8, 2048])

@@ -1,4 +1,4 @@
-"""The float64 oracle of an FP8 block-scaled linear, written out here (not runtime.formats): the dequantized layer in plain torch."""
+"""The float64 oracle of an FP8 block-scaled linear, written out here (not runtime.formats): DeepSeek's recipe in plain torch."""
 from __future__ import annotations
 
 import torch
@@ -6,11 +6,23 @@ import torch
 E4M3_MAX = 448.0
 
 
+def act_1x128(x: torch.Tensor) -> torch.Tensor:
+    """float64 values a 1x128 FP8 GEMM multiplies: per token per 128 channels, scale = max(amax, 1e-4) / 448 in
+    fp32, codes = x / scale rounded to E4M3 (torch's cast: nearest even) after saturating at 448."""
+    x = x.float()
+    k = x.shape[-1]
+    pad = -k % 128
+    g = torch.nn.functional.pad(x, (0, pad)).unflatten(-1, (-1, 128))
+    scale = g.abs().amax(dim=-1, keepdim=True).clamp_min(1e-4) / E4M3_MAX
+    codes = (g / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return (codes.double() * scale.double()).flatten(-2)[..., :k]
+
+
 def weight_blocks(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Each code times its 128x128 block's multiplier, in the codes' dtype once they are floats (fp32 or float64)."""
+    """float64 weight: each code times its 128x128 block's multiplier."""
     rows, cols = codes.shape
-    full = scale.to(codes.dtype).repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
-    return codes * full
+    full = scale.double().repeat_interleave(128, 0).repeat_interleave(128, 1)[:rows, :cols]
+    return codes.double() * full
 
 
 def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,10 +37,8 @@ def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float64 `x @ W^T`, W the weight a dequantized build holds: each code times its block's multiplier in
-    fp32, rounded to x's dtype."""
-    w = weight_blocks(codes.float(), scale).float().to(x.dtype)
-    return x.double() @ w.double().to(x.device).T
+    """float64 `act_1x128(x) @ weight_blocks(codes, scale)^T`."""
+    return act_1x128(x) @ weight_blocks(codes, scale).to(x.device).T
 
 
 def rel(ours: torch.Tensor, ref: torch.Tensor) -> float:

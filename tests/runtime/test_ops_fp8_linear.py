@@ -1,9 +1,9 @@
-"""FP8 block-scaled linears on the CPU: the forward against the float64 oracle, block-aligned tensor-parallel shards
-read by the loader as stored, and non-finite scales refused.
+"""FP8 block-scaled linears on the CPU: the torch recipe against the float64 oracle, block-aligned tensor-parallel shards
+read by the loader as stored, non-finite scales refused, and the tiny deepseek_v3 FP8 build keeping FP8 storage.
 
-Oracle: tests/runtime/helpers_fp8_linear.py (the block dequantization written out in plain torch, the
-weight rounded to the activation dtype as a dequantized build holds it, the product in float64): relative
-1e-6 in fp32 (summation order), bf16 outputs within bf16's rounding (4e-3).
+Oracle: tests/runtime/helpers_fp8_linear.py (1x128 activation quantization and block dequantization
+written out in plain torch). The CPU forward quantizes activations exactly as the oracle does and
+multiplies in fp32: relative 1e-6 in fp32 (summation order), bf16 outputs within bf16's rounding (4e-3).
 """
 from __future__ import annotations
 
