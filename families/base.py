@@ -188,9 +188,6 @@ class FamilySpec:
     attention_layers: Callable[[Config], tuple[int, ...] | None] = every_layer_attends
     describe_attention: Callable[[Config, str, Any], tuple[str, str]] = describe_gqa
     mtp_draft: bool = False                  # the runtime builds its embedded and replacement-head MTP drafts
-    # Decoder-layer linears its template keeps as FP8 blocks (runtime/ops/fp8_linear.py) when the whole
-    # checkpoint is FP8_BLOCK_SCALES; empty: its builds dequantize every non-expert linear at load.
-    fp8_block_linears: tuple[str, ...] = ()
     # Where the MTP layers are a tree of their own (Qwen3-Next's, Nemotron-H's `mtp`): the target skips all of
     # it and the draft is `runtime.draft_build.PredictorMTPDraft`, built by the template's `make_mtp`.
     mtp_tree: str | None = None

@@ -75,9 +75,4 @@ SPEC = FamilySpec(
     stores_head_dim=False,
     describe_attention=describe_mla,
     mtp_draft=True,
-    # What DeepSeek's FP8 checkpoints store as FP8 blocks beside the experts (kv_b_proj is dequantized:
-    # the absorbed MLA decode reads its values).
-    fp8_block_linears=("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.q_proj", "self_attn.kv_a_proj_with_mqa",
-                       "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-                       "mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj"),
 )

@@ -25,5 +25,4 @@ SPEC = replace(
     head_dim=gqa_head_dim,
     stores_head_dim=True,
     describe_attention=describe_gqa,
-    fp8_block_linears=(),   # its template builds GQA and dequantizes (no FP8 linears)
 )
