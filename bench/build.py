@@ -256,23 +256,20 @@ def decode_bytes(config, batch: int, kv_len: int, seqs: int | None = None) -> in
     speculative verify is k+1 tokens of one sequence) must read: every weight it touches, the active
     experts for uniform routing
     (bf16; MXFP4 at 0.53125 bytes per weight for gpt-oss, its biases bf16; FP8 at 1 byte plus fp32 128x128
-    block scales for deepseek_v3, whose build keeps every linear of its FP8 checkpoint so, experts, attention,
-    dense MLPs and shared experts alike, except MLA's kv_b_proj, dequantized to bf16 for the absorbed decode;
-    runtime/ops/fp8_linear.py), the embedding rows, and the KV cache (a sliding layer's window only; MLA's
-    latent and rotated key), all else bf16."""
+    block scales for deepseek_v3, whose other linears the loader dequantizes to bf16), the embedding rows,
+    and the KV cache (a sliding layer's window only; MLA's latent and rotated key), all else bf16."""
     c = config
     h = c.hidden_size
     seqs = batch if seqs is None else seqs
     if c.model_type == "deepseek_v3":
-        fp8 = 1 + 4 / 128**2   # bytes per FP8-block weight: the code and its share of the block scale
         heads, ql, kl, r = c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_rope_head_dim
-        attn = (fp8 * (h * ql + ql * heads * (c.qk_nope_head_dim + r) + h * (kl + r) + heads * c.v_head_dim * h)
-                + 2 * (kl * heads * (c.qk_nope_head_dim + c.v_head_dim) + ql + kl + 2 * h))
+        attn = 2 * (h * ql + ql * heads * (c.qk_nope_head_dim + r) + h * (kl + r)
+                    + kl * heads * (c.qk_nope_head_dim + c.v_head_dim) + heads * c.v_head_dim * h + ql + kl + 2 * h)
         experts, mi = c.n_routed_experts, c.moe_intermediate_size
         active = experts * (1 - (1 - c.num_experts_per_tok / experts) ** batch)
-        moe = 2 * experts * h + 4 * experts + (active + c.n_shared_experts) * 3 * h * mi * fp8
+        moe = 2 * experts * h + 4 * experts + active * 3 * h * mi * (1 + 4 / 128**2) + c.n_shared_experts * 3 * h * mi * 2
         dense = min(c.first_k_dense_replace, c.num_hidden_layers)
-        layers = c.num_hidden_layers * attn + dense * 3 * h * c.intermediate_size * fp8 + (c.num_hidden_layers - dense) * moe
+        layers = c.num_hidden_layers * attn + dense * 3 * h * c.intermediate_size * 2 + (c.num_hidden_layers - dense) * moe
         cache = c.num_hidden_layers * seqs * kv_len * (kl + r) * 2
         return int(layers + 2 * (c.vocab_size * h + h + batch * h) + cache)
     heads, kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -293,8 +290,7 @@ def prefill_flops(config, seq: int = PREFILL) -> int:
     """Floating-point operations of a prefill of `seq` tokens (batch 1): every matmul (attention projections,
     router, the top-k experts each token is routed to, shared experts, dense MLPs, lm_head over every
     position) and causal attention (QK^T and PV over the keys each query sees: a sliding window's at most).
-    Norms, rotary, softmax and activations are left out (elementwise, under 1 %). deepseek_v3's FP8 linears
-    count the same operations; they run at the E4M3 rate, twice the bf16 peak a fraction of peak is taken of."""
+    Norms, rotary, softmax and activations are left out (elementwise, under 1 %)."""
     c, s, h = config, seq, config.hidden_size
     full_pairs = s * (s + 1) // 2
     if c.model_type == "deepseek_v3":

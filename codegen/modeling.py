@@ -6,7 +6,6 @@ classes and their imports, the layer table, and the one-paragraph summary at the
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from dataclasses import replace
 from types import SimpleNamespace
@@ -82,27 +81,6 @@ def _summary(plan: BuildPlan) -> list[str]:
     return lines
 
 
-# Linears of a decoder layer that DeepSeek's FP8_BLOCK_SCALES checkpoints store as FP8 blocks (beside the experts).
-_FP8_LINEARS = ("self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.q_proj", "self_attn.kv_a_proj_with_mqa",
-                "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "mlp.shared_experts.gate_proj",
-                "mlp.shared_experts.up_proj", "mlp.shared_experts.down_proj")
-
-
-def _fp8_linears(decl: Declaration, plan: BuildPlan, generic: bool) -> bool:
-    """Whether a specialized build keeps its attention, dense MLP and shared-expert linears in FP8 blocks: its
-    checkpoint is FP8_BLOCK_SCALES as a whole and excludes none of them (an exclusion leaves the loader's
-    dequantizing path, which reads bf16 and FP8 alike). Generic builds resolve their checkpoint at load: they
-    dequantize."""
-    if generic or decl.family.name not in ("deepseek_v3", "glm4_moe"):   # the templates that pass it on
-        return False
-    ckpt = next((c for c in decl.checkpoints if c.name == plan.checkpoint), None)
-    if ckpt is None or (ckpt.quant_algo or "").upper() != "FP8_BLOCK_SCALES" or ckpt.quantized_layers:
-        return False
-    names = [f"model.layers.{layer.index}.{linear}" for layer in plan.layers for linear in _FP8_LINEARS]
-    modules = {".".join(n.split(".")[:i]) for n in names for i in range(3, n.count(".") + 2)}   # and their parents
-    return not any(fnmatch.fnmatchcase(m, p) for m in modules for p in ckpt.exclude_modules)
-
-
 def _context(decl: Declaration, plan: BuildPlan, registry: Registry, generic: bool) -> dict:
     spec = decl.family
     family = spec.name
@@ -147,7 +125,6 @@ def _context(decl: Declaration, plan: BuildPlan, registry: Registry, generic: bo
         rope_literal=_constant(c["rope"]),
         windows_literal=_constant(c["sliding_windows"]),
         architecture=_architecture(spec, c, plan),
-        fp8_linears=_fp8_linears(decl, plan, generic),
     )
 
 

@@ -1,10 +1,8 @@
 """Non-expert linear weights that a checkpoint stores quantized, recognised by their companion scale tensors and dequantized at load.
 
-Builds run attention, dense MLPs and shared experts in the parameter dtype (bf16), so where such a
-parameter meets a quantized checkpoint tensor the loader turns `weight` + scales back into values
-here, with the exact codecs of runtime/formats. (Builds of an FP8_BLOCK_SCALES checkpoint hold those
-linears as runtime/ops/fp8_linear.py's float8_e4m3fn codes and scales instead: the dtypes then
-match, and the loader copies both as stored, never through here.) The scheme is read off the tensors themselves (dtype + which scale tensors sit
+Builds run attention, dense MLPs and shared experts in the parameter dtype (bf16) whatever the
+checkpoint stores, so the loader turns `weight` + scales back into values here, with the exact codecs
+of runtime/formats. The scheme is read off the tensors themselves (dtype + which scale tensors sit
 beside the weight) rather than off the quant metadata: the tensors are what has to be decoded, and a
 metadata file that disagrees with them would otherwise produce garbage silently.
 """

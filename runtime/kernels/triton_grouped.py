@@ -12,8 +12,6 @@ bf16 rounding of the intermediate and, for FP8, its 1x128 quantization (the outp
 128-channel group) in the epilogue. `gemm2`: down projection into bf16 rows in sorted order, for
 the CUPY `moe_combine`. FP8: one 128x128 weight block scale and one 1x128 activation scale per
 K-block, promoted into the fp32 accumulator after each block's product (as DeepSeek's recipe does).
-That K-loop (`block_scaled_dot`), the 1x128 quantization (`quant_1x128`) and the program order
-(`program_tiles`) are also the dense FP8 linear's (runtime/kernels/triton_fp8_linear.py).
 """
 from __future__ import annotations
 
@@ -37,7 +35,7 @@ def _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr, BM: tl.constexpr):
 
 
 @triton.jit
-def program_tiles(pid, max_tiles, num_n, GROUP_M: tl.constexpr):
+def _program(pid, max_tiles, num_n, GROUP_M: tl.constexpr):
     """(token tile, output block) of program `pid`: the tile fastest, over GROUP_M tiles at a time
     (all tiles when GROUP_M == 0), so the programs alive together share weight and row blocks."""
     if GROUP_M == 0:
@@ -49,45 +47,6 @@ def program_tiles(pid, max_tiles, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def round_to_grid(v, MANT: tl.constexpr, MIN_EXP: tl.constexpr):
-    """fp32 `v` rounded to nearest even on the grid of a float format with MANT mantissa bits and
-    smallest normal exponent MIN_EXP, so the cast to that format is exact: adding and subtracting
-    1.5 * 2^23 ulps rounds at v's spacing (ulp = 2^(exponent - MANT), fixed below 2^MIN_EXP where the
-    format is subnormal). The GPU's casts round the same; Triton's CPU interpreter, where the tests
-    run, rounds without carrying into the exponent (E4M3: 124.3 -> 64) or truncates (bf16)."""
-    e = tl.minimum(tl.maximum((v.to(tl.int32, bitcast=True) >> 23) & 0xFF, 127 + MIN_EXP), 231 + MANT)
-    c = ((e + 23 - MANT) << 23 | 0x400000).to(tl.float32, bitcast=True)
-    return (v + c) - c
-
-
-@triton.jit
-def quant_1x128(xf):
-    """(E4M3 codes, fp32 scales) of fp32 rows `xf` [R, 128], one group per row: DeepSeek's act_quant, as
-    runtime/formats/fp8.quantize_act_groups computes it (scale = max(amax, 1e-4) / 448, codes saturated)."""
-    scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-4), 448.0)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(xf, scale[:, None]), -448.0), 448.0)
-    return round_to_grid(q, 3, -6).to(tl.float8e4nv), scale
-
-
-@triton.jit
-def block_scaled_dot(a_desc, a_row0, sa_ptrs, w_desc, w_row0, sb_ptrs, k_lo, k_hi, acc, FP8: tl.constexpr,
-                     BK: tl.constexpr):
-    """`acc` plus A[a_row0:, k_lo:k_hi] @ W[w_row0:, k_lo:k_hi]^T (both K-major, through their TMA
-    descriptors). FP8: each 128-wide K-block's product is scaled by its rows' activation scale
-    (`sa_ptrs[kblk]`, [BM]) times its columns' weight block scale (`sb_ptrs[kblk]`, [BN]) before it
-    joins the fp32 accumulator (BK == 128)."""
-    for k0 in range(k_lo, k_hi, BK):
-        a = a_desc.load([a_row0, k0])
-        b = w_desc.load([w_row0, k0])
-        if FP8:
-            kblk = k0 // _SCALE_BLOCK
-            acc += tl.dot(a, b.T) * (tl.load(sa_ptrs + kblk)[:, None] * tl.load(sb_ptrs + kblk)[None, :])
-        else:
-            acc = tl.dot(a, b.T, acc)
-    return acc
-
-
-@triton.jit
 def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr,
           num_tiles_ptr, h_ptr, hs_ptr, H, INTER, TOP_K, max_tiles, alpha, limit,
           FP8: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -96,7 +55,7 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, ti
     # (runtime/kernels/layouts.interleave_gate_up), split in the epilogue
     PLANES: tl.constexpr = 2 if GATED else 1
     BNW: tl.constexpr = BN * PLANES
-    pid_m, pid_n = program_tiles(tl.program_id(0), max_tiles, tl.cdiv(INTER, BN), GROUP_M)
+    pid_m, pid_n = _program(tl.program_id(0), max_tiles, tl.cdiv(INTER, BN), GROUP_M)
     if pid_m >= tl.load(num_tiles_ptr):
         return
     e, rows, rmask = _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr, BM)
@@ -152,8 +111,10 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, ti
     smask = rmask[:, None] & (cols < INTER)[None, :]
     if FP8:
         # BN == 128 and INTER % 128 == 0: this block is one activation group of every row
-        q, scale = quant_1x128(hb.to(tl.float32))
-        tl.store(h_ptr + out_rows[:, None] * INTER + cols[None, :], q, mask=smask)
+        hf = hb.to(tl.float32)
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(hf), axis=1), 1e-4), 448.0)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(hf, scale[:, None]), -448.0), 448.0)
+        tl.store(h_ptr + out_rows[:, None] * INTER + cols[None, :], q.to(tl.float8e4nv), mask=smask)
         tl.store(hs_ptr + out_rows * ib_count + pid_n, scale, mask=rmask)
     else:
         tl.store(h_ptr + out_rows[:, None] * INTER + cols[None, :], hb, mask=smask)
@@ -163,7 +124,7 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, ti
 def gemm2(h_desc, hs_ptr, w_desc, ws_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, y_ptr,
           H, INTER, max_tiles, FP8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
           GROUP_M: tl.constexpr):
-    pid_m, pid_n = program_tiles(tl.program_id(0), max_tiles, tl.cdiv(H, BN), GROUP_M)
+    pid_m, pid_n = _program(tl.program_id(0), max_tiles, tl.cdiv(H, BN), GROUP_M)
     if pid_m >= tl.load(num_tiles_ptr):
         return
     e, rows, rmask = _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr, BM)
@@ -176,10 +137,17 @@ def gemm2(h_desc, hs_ptr, w_desc, ws_ptr, offs_ptr, tile_expert_ptr, tile_row_pt
     # s2 [n, H/128, I/128]
     sb_ptrs = ws_ptr + (e * (H // _SCALE_BLOCK) + tl.minimum(cols, H - 1) // _SCALE_BLOCK) * kb_count
     sa_ptrs = hs_ptr + rows.to(tl.int64) * kb_count
-    acc = block_scaled_dot(h_desc, row0, sa_ptrs, w_desc, w_row0, sb_ptrs, 0, INTER,
-                           tl.zeros([BM, BN], dtype=tl.float32), FP8, BK)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, INTER, BK):
+        a = h_desc.load([row0, k0])
+        b = w_desc.load([w_row0, k0])
+        if FP8:
+            kblk = k0 // _SCALE_BLOCK
+            acc += tl.dot(a, b.T) * (tl.load(sa_ptrs + kblk)[:, None] * tl.load(sb_ptrs + kblk)[None, :])
+        else:
+            acc = tl.dot(a, b.T, acc)
     out = y_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :]
-    tl.store(out, round_to_grid(acc, 7, -126).to(tl.bfloat16), mask=rmask[:, None] & (cols < H)[None, :])
+    tl.store(out, acc.to(tl.bfloat16), mask=rmask[:, None] & (cols < H)[None, :])
 
 
 def _desc(t2d, block):

@@ -8,7 +8,6 @@ and correction biases); build a model in its final dtype rather than calling `.t
 from runtime.ops.attention_core import attention
 from runtime.ops.eagle3 import Eagle3Head
 from runtime.ops.embedding import LMHead, VocabEmbedding
-from runtime.ops.fp8_linear import Fp8ColumnParallelLinear, Fp8RowParallelLinear
 from runtime.ops.gated_deltanet import GatedDeltaNet, RecurrentState
 from runtime.ops.gqa import GQAttention
 from runtime.ops.kv_cache import StaticCache
@@ -22,7 +21,7 @@ from runtime.ops.norms import GatedRMSNorm, ProjectionRMSNorm, RMSNorm
 from runtime.ops.rotary import RotaryEmbedding, apply_rotary, mla_softmax_scale
 
 __all__ = [
-    "ColumnParallelLinear", "Eagle3Head", "FcMTPPredictor", "Fp8ColumnParallelLinear", "Fp8RowParallelLinear", "GatedDeltaNet", "GatedRMSNorm", "GQAttention", "LMHead", "MLAttention", "MLP", "Mamba2Mixer",
+    "ColumnParallelLinear", "Eagle3Head", "FcMTPPredictor", "GatedDeltaNet", "GatedRMSNorm", "GQAttention", "LMHead", "MLAttention", "MLP", "Mamba2Mixer",
     "MambaState", "MoEBlock", "MTPBlock", "PatternMTPPredictor", "ProjectionRMSNorm", "RecurrentState", "RMSNorm", "RotaryEmbedding", "RowParallelLinear",
     "SharedExpertGate", "SharedHead",
     "StaticCache", "VocabEmbedding", "apply_rotary", "attention", "mla_softmax_scale",

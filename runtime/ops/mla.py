@@ -10,11 +10,6 @@ latent space (`_absorbed`), reading the cache as it is stored instead of expandi
 
 Tensor parallelism splits the heads: `q_proj`/`q_b_proj` and `kv_b_proj` by output columns, `o_proj` by
 input rows. `q_a_proj`, `kv_a_proj_with_mqa` and the two latent norms are small and replicated.
-
-`fp8_block=True` (an FP8-block checkpoint) keeps every projection but `kv_b_proj` as the checkpoint stores
-it (runtime/ops/fp8_linear.py). `kv_b_proj` is dequantized at load: the absorbed form multiplies
-queries and attended latents by slices of its weight (`_absorbed`), which needs its values, and it is
-the smallest projection (512 inputs: 17 MB in FP8 at deepseek_v3's 128 heads against 33 MB in bf16).
 """
 from __future__ import annotations
 
@@ -22,7 +17,6 @@ import torch
 import torch.nn as nn
 
 from runtime.ops.attention_core import attention, eager_attention
-from runtime.ops.fp8_linear import Fp8ColumnParallelLinear, Fp8RowParallelLinear
 from runtime.ops.kv_cache import StaticCache
 from runtime.ops.linear import ColumnParallelLinear, RowParallelLinear, split
 from runtime.ops.norms import RMSNorm
@@ -59,11 +53,9 @@ class MLAttention(nn.Module):
         interleaved_rope: bool = True,
         tp_rank: int = 0,
         tp_size: int = 1,
-        fp8_block: bool = False,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        column, row = (Fp8ColumnParallelLinear, Fp8RowParallelLinear) if fp8_block else (ColumnParallelLinear, RowParallelLinear)
         self.local_heads = split(num_heads, tp_size, "num_attention_heads")
         self.kv_lora_rank = kv_lora_rank
         self.qk_nope_head_dim = qk_nope_head_dim
@@ -75,26 +67,26 @@ class MLAttention(nn.Module):
         tp = dict(tp_rank=tp_rank, tp_size=tp_size)
 
         if q_lora_rank is None:
-            self.q_proj = column(
+            self.q_proj = ColumnParallelLinear(
                 in_features=hidden_size, out_features=num_heads * self.qk_head_dim, dtype=dtype, **tp
             )
         else:
             # transformers gives q_a_proj the attention bias too; q_b_proj never has one.
-            self.q_a_proj = column(  # replicated: tp_size stays 1
+            self.q_a_proj = ColumnParallelLinear(  # replicated: tp_size stays 1
                 in_features=hidden_size, out_features=q_lora_rank, bias=attention_bias, dtype=dtype
             )
             self.q_a_layernorm = RMSNorm(hidden_size=q_lora_rank, eps=rms_norm_eps, dtype=dtype)
-            self.q_b_proj = column(
+            self.q_b_proj = ColumnParallelLinear(
                 in_features=q_lora_rank, out_features=num_heads * self.qk_head_dim, dtype=dtype, **tp
             )
-        self.kv_a_proj_with_mqa = column(  # replicated
+        self.kv_a_proj_with_mqa = ColumnParallelLinear(  # replicated
             in_features=hidden_size, out_features=kv_lora_rank + qk_rope_head_dim, bias=attention_bias, dtype=dtype
         )
         self.kv_a_layernorm = RMSNorm(hidden_size=kv_lora_rank, eps=rms_norm_eps, dtype=dtype)
         self.kv_b_proj = ColumnParallelLinear(
             in_features=kv_lora_rank, out_features=num_heads * (qk_nope_head_dim + v_head_dim), dtype=dtype, **tp
         )
-        self.o_proj = row(
+        self.o_proj = RowParallelLinear(
             in_features=num_heads * v_head_dim, out_features=hidden_size, bias=attention_bias, dtype=dtype, **tp
         )
         self.q_lora = q_lora_rank is not None

@@ -5,8 +5,7 @@ dense first layers of DeepSeek/GLM (`mlp`), DeepSeek/GLM shared experts (`shared
 = `moe_intermediate_size * n_shared_experts`) and Qwen2-MoE/Qwen3-Next shared experts (`shared_expert`,
 scaled per token by `sigmoid(shared_expert_gate(x))`) are all this module with a different width.
 Nemotron-H's dense and shared-expert MLPs are `down(relu(up(x))²)`, no gate (`activation="relu2"`).
-Under TP the intermediate dimension splits (gate/up by rows, down by columns). `fp8_block=True` keeps the
-three projections as an FP8-block checkpoint stores them (runtime/ops/fp8_linear.py).
+Under TP the intermediate dimension splits (gate/up by rows, down by columns).
 """
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from runtime.activations import relu2
-from runtime.ops.fp8_linear import Fp8ColumnParallelLinear, Fp8RowParallelLinear
 from runtime.ops.linear import ColumnParallelLinear, RowParallelLinear, new_param
 
 
@@ -32,19 +30,17 @@ class MLP(nn.Module):
         tp_size: int = 1,
         reduce_output: bool = True,
         activation: str = "silu_glu",
-        fp8_block: bool = False,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if activation not in ("silu_glu", "relu2"):
             raise ValueError(f"an MLP's activation is silu_glu or relu2, got {activation!r}")
         tp = dict(tp_rank=tp_rank, tp_size=tp_size)
-        column, row = (Fp8ColumnParallelLinear, Fp8RowParallelLinear) if fp8_block else (ColumnParallelLinear, RowParallelLinear)
         self.activation = activation
         if activation == "silu_glu":
-            self.gate_proj = column(in_features=hidden_size, out_features=intermediate_size, dtype=dtype, **tp)
-        self.up_proj = column(in_features=hidden_size, out_features=intermediate_size, dtype=dtype, **tp)
-        self.down_proj = row(
+            self.gate_proj = ColumnParallelLinear(in_features=hidden_size, out_features=intermediate_size, dtype=dtype, **tp)
+        self.up_proj = ColumnParallelLinear(in_features=hidden_size, out_features=intermediate_size, dtype=dtype, **tp)
+        self.down_proj = RowParallelLinear(
             in_features=intermediate_size, out_features=hidden_size, reduce=reduce_output, dtype=dtype, **tp
         )
 

@@ -74,9 +74,6 @@ ROPE = {
     'scaling': 'yarn',
     'truncate': True,
 }
-# The checkpoint stores attention, dense MLP and shared-expert linears as FP8 128x128 blocks: they stay so
-# (runtime/ops/fp8_linear.py), all but MLA's kv_b_proj, which the absorbed decode reads as values.
-FP8_LINEARS = True
 
 # The layer plan, in runs of consecutive decoder layers: their bound MoE implementation id, None for dense MLPs.
 LAYERS = (
@@ -113,7 +110,6 @@ def make_attention(index, layout, rank, dtype):
         qk_nope_head_dim=QK_NOPE_HEAD_DIM, qk_rope_head_dim=QK_ROPE_HEAD_DIM, v_head_dim=V_HEAD_DIM,
         softmax_scale=SOFTMAX_SCALE, rms_norm_eps=RMS_NORM_EPS, attention_bias=ATTENTION_BIAS,
         interleaved_rope=INTERLEAVED_ROPE, tp_rank=layout.tp_rank(rank), tp_size=layout.tp, dtype=dtype,
-        fp8_block=FP8_LINEARS,
     )
 
 
@@ -121,8 +117,7 @@ def make_mlp(experts_cls, layout, rank, dtype):
     """A dense MLP (no experts class), or the MoE block: sigmoid grouped router, bound experts, shared experts."""
     tp_rank = layout.tp_rank(rank)
     if experts_cls is None:
-        return MLP(hidden_size=HIDDEN_SIZE, intermediate_size=INTERMEDIATE_SIZE, tp_rank=tp_rank, tp_size=layout.tp,
-                   fp8_block=FP8_LINEARS, dtype=dtype)
+        return MLP(hidden_size=HIDDEN_SIZE, intermediate_size=INTERMEDIATE_SIZE, tp_rank=tp_rank, tp_size=layout.tp, dtype=dtype)
     return MoEBlock(
         gate=SigmoidTopKRouter(
             hidden_size=HIDDEN_SIZE, num_experts=NUM_EXPERTS, top_k=TOP_K, n_group=N_GROUP, topk_group=TOPK_GROUP,
@@ -132,7 +127,6 @@ def make_mlp(experts_cls, layout, rank, dtype):
         shared_experts=MLP(
             hidden_size=HIDDEN_SIZE, intermediate_size=MOE_INTERMEDIATE_SIZE * NUM_SHARED_EXPERTS, tp_rank=tp_rank,
             tp_size=layout.tp, reduce_output=False, dtype=dtype,
-            fp8_block=FP8_LINEARS,
         ),
         layout=layout,
     )
