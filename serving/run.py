@@ -82,8 +82,8 @@ class Launcher:
                 draft = self.builds.module(target["draft"]["module"])
                 tensors.update(random_tensors(draft.DRAFT_CLASS(device="meta"), storage, seed + 1))
         if facts.QUANT[checkpoint_name]["quant_algo"] == "FP8_BLOCK_SCALES":
-            # DeepSeek's FP8 layout for the linears the generic build reads as values (a specialized build may
-            # keep them FP8: runtime/ops/fp8_linear.py); the experts are FP8 already.
+            # DeepSeek's layout: its attention, dense MLP and shared-expert linears are FP8 blocks too (the builds
+            # dequantize them at load, as they do a hub checkpoint's); the experts are FP8 already.
             tensors = fp8_block_tensors({n: t for n, t in tensors.items() if t.dtype != torch.float8_e4m3fn}) | {
                 n: t for n, t in tensors.items() if t.dtype == torch.float8_e4m3fn}
         return save_checkpoint(tensors, folder, facts.CONFIG)
