@@ -96,16 +96,21 @@ REAL_SHAPES = {   # the layers of the SM90 targets (fewer experts): K = 2880 is 
 }
 
 
+def _matches_the_reference(cls, spec, tensors, token_counts, seed):
+    """The module of `tensors` on the GPU equals the CPU reference for fresh routing and inputs at each count."""
+    module = _module(cls, spec, tensors)
+    for tokens in token_counts:
+        ids, weights = random_routing(tokens, spec, seed=seed + tokens)
+        hidden = random_hidden(tokens, spec, seed=seed + 1 + tokens)
+        out = module(hidden.cuda(), ids.cuda(), weights.cuda())
+        assert_rel_close(out.cpu(), _reference(cls, spec, tensors, hidden, ids, weights), *_tolerance(cls.FORMAT))
+
+
 @pytest.mark.parametrize("cls", CUPY_EXPERTS, ids=lambda c: c.FORMAT)
 def test_real_layer_shapes(cls):
     spec = REAL_SHAPES[cls.FORMAT]
     tensors = make_expert_tensors(spec, cls.FORMAT, seed=21, weight_std=3.0 if spec.expert_bias else 1.0)
-    module = _module(cls, spec, tensors)
-    for tokens in (3, 70):
-        ids, weights = random_routing(tokens, spec, seed=22 + tokens)
-        hidden = random_hidden(tokens, spec, seed=23 + tokens)
-        out = module(hidden.cuda(), ids.cuda(), weights.cuda())
-        assert_rel_close(out.cpu(), _reference(cls, spec, tensors, hidden, ids, weights), *_tolerance(cls.FORMAT))
+    _matches_the_reference(cls, spec, tensors, (3, 70), seed=22)
 
 
 @pytest.mark.parametrize("cls", [c for c in CUPY_EXPERTS if c.FORMAT in K.SPLITS], ids=lambda c: c.FORMAT)
@@ -159,12 +164,7 @@ def test_mxfp4_scales_above_two_take_the_second_factor(cls):
             8, 20, scale.shape, generator=gen, dtype=torch.uint8)
         tensors[key] = (scale.int() + bump.int()).clamp(max=254).to(torch.uint8)
     assert max(int(tensors[k].max()) for k in tensors if k[2] == "weight_scale") > 128
-    module = _module(cls, spec, tensors)
-    for tokens in (1, 37):
-        ids, weights = random_routing(tokens, spec, seed=93 + tokens)
-        hidden = random_hidden(tokens, spec, seed=94 + tokens)
-        out = module(hidden.cuda(), ids.cuda(), weights.cuda())
-        assert_rel_close(out.cpu(), _reference(cls, spec, tensors, hidden, ids, weights), *_tolerance(cls.FORMAT))
+    _matches_the_reference(cls, spec, tensors, (1, 37), seed=93)
 
 
 @pytest.mark.parametrize("cls", CUPY_EXPERTS, ids=lambda c: c.FORMAT)
