@@ -64,8 +64,6 @@ class Launcher:
         from registry.errors import MoegenError
         from registry.build_index import matching
         from registry.model import EMBEDDED_DRAFT_KINDS, facts_from_literal
-        import torch
-
         from runtime.checkpoint.writer import fp8_block_tensors, random_tensors, save_checkpoint
 
         facts = self._facts(model)
@@ -84,8 +82,7 @@ class Launcher:
         if facts.QUANT[checkpoint_name]["quant_algo"] == "FP8_BLOCK_SCALES":
             # DeepSeek's layout: its attention, dense MLP and shared-expert linears are FP8 blocks too (the builds
             # dequantize them at load, as they do a hub checkpoint's); the experts are FP8 already.
-            tensors = fp8_block_tensors({n: t for n, t in tensors.items() if t.dtype != torch.float8_e4m3fn}) | {
-                n: t for n, t in tensors.items() if t.dtype == torch.float8_e4m3fn}
+            tensors = fp8_block_tensors(tensors)
         return save_checkpoint(tensors, folder, facts.CONFIG)
 
     def main(self, argv=None):

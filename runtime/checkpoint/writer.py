@@ -127,13 +127,14 @@ def fp8_block_quantized(name: str) -> bool:
 
 
 def fp8_block_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`tensors` (a bf16/fp32 checkpoint's, by name) in DeepSeek's FP8 layout: each `fp8_block_quantized`
-    weight as its float8_e4m3fn codes and a `weight_scale_inv` beside it (block amax / 448), the rest as given."""
+    """`tensors` (a checkpoint's, by name) in DeepSeek's FP8 layout: each `fp8_block_quantized` float weight
+    as its float8_e4m3fn codes and a `weight_scale_inv` beside it (block amax / 448), the rest (codes already,
+    their scales, what DeepSeek keeps unquantized) as given."""
     from runtime.formats import fp8
 
     out = {}
     for name, tensor in tensors.items():
-        if fp8_block_quantized(name):
+        if fp8_block_quantized(name) and tensor.dtype != torch.float8_e4m3fn:
             out[name], out[name[: -len("weight")] + "weight_scale_inv"] = fp8.quantize_weight_blocks(tensor)
         else:
             out[name] = tensor

@@ -66,3 +66,18 @@ def test_a_sharded_build_cannot_write_a_checkpoint():
     module = importlib.import_module(".tiny_qwen3_moe.tiny_qwen3_moe_bf16__sm_90__tp2.modeling", "generated")
     with pytest.raises(ValueError, match="write a checkpoint from a one-rank \\(tp1\\) build"):
         random_tensors(module.MODEL_CLASS(device="meta", rank=0), "gate_up_down")
+
+
+def test_a_tiny_fp8_block_checkpoint_stores_its_linears_as_deepseek_does(tmp_path):
+    """FP8_BLOCK_SCALES: attention, dense-MLP and shared-expert linears as E4M3 codes with their 128x128 block
+    scales, like the routed experts; the router, norms, embedding and head unquantized (DeepSeek-V3's layout)."""
+    run.write_tiny("tiny_deepseek_v3", 90, "tiny_deepseek_v3_fp8", tmp_path, seed=0)
+    with CheckpointReader(tmp_path) as reader:
+        dtypes = {name: reader.info(name).dtype for name in reader.names()}
+    for name in ("model.layers.0.self_attn.q_a_proj.weight", "model.layers.0.self_attn.kv_b_proj.weight",
+                 "model.layers.0.mlp.down_proj.weight", "model.layers.1.mlp.shared_experts.up_proj.weight"):
+        assert dtypes[name] == torch.float8_e4m3fn, name
+        assert dtypes[name[: -len("weight")] + "weight_scale_inv"] == torch.float32, name
+    for name in ("model.layers.1.mlp.gate.weight", "model.embed_tokens.weight", "lm_head.weight",
+                 "model.layers.0.input_layernorm.weight"):
+        assert dtypes[name] in (torch.bfloat16, torch.float32), name
