@@ -454,15 +454,14 @@ def decode_kernels(args, result):
         router = Router(h, e, k, None)
         for fmt in args.formats.split(","):
             mods = build(fmt, spec)
-            split_tile = getattr(K, "SPLIT_TILE", None)   # absent from trees before split K (base runs)
-            splits = K.splits(fmt, split_tile) if split_tile else ()
+            splits = K.splits(fmt, K.SPLIT_TILE)
             for t in (int(v) for v in args.tokens.split(",")):
                 x = torch.randn(t, h, device="cuda").bfloat16()
                 with torch.no_grad():
                     ids, weights = router(x)
                 active = int(ids.unique().numel())
                 tile = tuple(mods[0].plan(t, k)[1])
-                options = [None] + ([(*tile, sk) for sk in (1,) + splits] if splits and tile == split_tile else [])
+                options = [None] + ([(*tile, sk) for sk in (1,) + splits] if splits and tile == K.SPLIT_TILE else [])
                 for opt in options:
                     with torch.no_grad():
                         for m in mods:
@@ -477,7 +476,7 @@ def decode_kernels(args, result):
                     for ev in p.key_averages():
                         if not ev.key.startswith("moe_gemm_"):
                             continue
-                        gemm = "gemm1" if ev.key.split("_")[4] in ("0", "1") else "gemm2"
+                        gemm = "gemm2" if int(ev.key.split("_")[4]) == K.EPI_DOWN else "gemm1"   # moe_gemm_WF_AQ_EPI_...
                         us = (getattr(ev, "device_time_total", None) or ev.cuda_time_total) / ev.count
                         n_out = (2 * i if gemm == "gemm1" else h)
                         n_in = h if gemm == "gemm1" else i
