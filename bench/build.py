@@ -458,6 +458,7 @@ def speculative(model, ids, ks, config, draft=None) -> dict:
     `free_draft_ceiling`: the ratio to plain decoding that a drafter costing nothing and always agreeing
     would reach if the verify of k+1 tokens ran at the plain step's bytes per second: (k+1) x the bytes of a
     one-token step / the bytes of the k+1-token verify (its tokens reach more experts than one token does)."""
+    from runtime.drafts import vocab_size
     from runtime.speculative import ExternalDrafter, Speculation, speculative_decoder
 
     prompt = ids[:1, :SPEC_PROMPT]
@@ -467,8 +468,6 @@ def speculative(model, ids, ks, config, draft=None) -> dict:
     out = {"prompt": SPEC_PROMPT, "new_tokens": SPEC_NEW, "plain_tokens_s": plain.tokens_per_s,
            "plain_step_ms": 1e3 * plain.decode_s / plain.decode_steps}
     print(json.dumps({"speculative": out}), flush=True)
-    from runtime.drafts import vocab_size
-
     drafters = {"agreeing": ExternalDrafter(model, model), "replay": None}
     if draft is not None:
         drafters["mtp_random"] = draft
