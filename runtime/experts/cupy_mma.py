@@ -42,6 +42,13 @@ def _f(v: float) -> np.float32:
     return np.float32(v)
 
 
+def _row_blocks(n: int, tile) -> int:
+    """Output-row blocks of one token tile for a GEMM of `n` rows: each CTA's 4 warps form 4 / SK groups of MT
+    16-row m-tiles (tile = (MT, NT) or (MT, NT, SK); moe_kernels.cu's `nblocks`)."""
+    sk = tile[2] if len(tile) > 2 else 1
+    return math.ceil(n // 16 / (4 // sk * tile[0]))
+
+
 class _CupyMmaExperts(ExpertsBase):
     """Shape constraints: hidden size and this rank's intermediate size multiples of 64 (128 for
     fp8_block_scales: the weight blocks), at most 1024 local experts. Runs on CUDA SM 9.0 only; the
@@ -308,8 +315,8 @@ class _CupyMmaExperts(ExpertsBase):
         tiles = m + (pairs - m) // bt
         best = 1
         for sk in K.splits(self.FORMAT, tile):
-            items = tiles * math.ceil(n // 16 / (4 // sk * tile[0]))
-            if items <= kern.persistent_grid(K.gemm_name(self.FORMAT, epi, (*tile, sk)), 1 << 30):
+            split = (*tile, sk)
+            if tiles * _row_blocks(n, split) <= kern.persistent_grid(K.gemm_name(self.FORMAT, epi, split), 1 << 30):
                 best = sk
         return (*tile, best)
 
@@ -317,8 +324,7 @@ class _CupyMmaExperts(ExpertsBase):
               tile_expert, tile_row, num_tiles, bias, out, n, k, inter, top_k, kind, alpha, limit):
         tile = self._split(kern, epi, tile, sorted_pair.shape[0], n)
         name = K.gemm_name(self.FORMAT, epi, tile)
-        nblocks = math.ceil(n // 16 / (4 // (tile[2] if len(tile) > 2 else 1) * tile[0]))
-        grid = kern.persistent_grid(name, max_tiles * nblocks)
+        grid = kern.persistent_grid(name, max_tiles * _row_blocks(n, tile))
         kern.launch(name, (grid,), (128,),
                     (_p(w), _p(ws), _p(ws2), _p(a), _p(a_scale), _i(a_by_token), _p(sorted_pair), _p(offs),
                      _p(tile_expert), _p(tile_row), _p(num_tiles), _p(bias), _p(out), _i(n), _i(k), _i(inter),
