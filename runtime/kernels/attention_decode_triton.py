@@ -1,6 +1,9 @@
-"""The Triton kernels of `runtime.kernels.attention_decode` (imported only where Triton is)."""
+"""The Triton kernels of `runtime.kernels.attention_decode` (imported only where Triton is; module level, so the
+kernel can call its mask helper by name)."""
 import triton
 import triton.language as tl
+
+from runtime.kernels.attention_mask_triton import visible
 
 
 @triton.jit
@@ -31,10 +34,7 @@ def decode_partials(q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, m_ptr, l_ptr, acc_p
         k = tl.load(k_ptr + b * k_b + h * k_h + n[:, None] * k_l + d[None, :], mask=in_len[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale
         p_k = tl.load(kpos_ptr + n, mask=in_len, other=0)
-        allowed = in_len & (p_k <= p_q)
-        if WINDOW:
-            allowed = allowed & (p_k > p_q - window)
-        s = tl.where(allowed[None, :], s, float("-inf"))
+        s = tl.where(visible(p_q, p_k, in_len, window, WINDOW)[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_safe)

@@ -9,9 +9,13 @@ CUDA graph):
 - keys are the queries' own tokens with a plain causal mask (prefill without a window or sinks):
   `scaled_dot_product_attention(is_causal=True, enable_gqa=...)`, the flash kernel, no mask tensor and
   no repeated K/V;
-- a cached step over the static cache, or sliding windows: the same call with `enable_gqa` and a
-  boolean `[S, L]` mask built from positions (cuDNN's kernel on an H200; K/V never repeated);
-- gpt-oss sinks: the G query heads that share a key/value head are folded into G*S query rows of that
+- a block of queries with a sliding window or sinks (a prompt, or a prompt block over the static cache):
+  `runtime.kernels.attention_prefill`, a Triton flash kernel making the mask from positions, skipping the
+  key tiles outside the window, the sink joining the normaliser (bf16/fp16, head dims 16 to 128);
+- a cached step over the static cache without either, or what the kernels above do not take: SDPA with
+  `enable_gqa` and a boolean `[S, L]` mask built from positions (cuDNN's kernel on an H200; K/V never
+  repeated);
+- gpt-oss sinks there: the G query heads that share a key/value head are folded into G*S query rows of that
   head (`[B, Hkv, G*S, D]`, a copy of q only) for the memory-efficient kernel, which also returns each
   row's log-sum-exp `lse`; a sink logit `s` joining the softmax scales the row's output by
   `e^lse / (e^lse + e^s)` = `sigmoid(lse - s)`, which is exact.
@@ -23,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from runtime.kernels import attention_decode
+from runtime.kernels import attention_decode, attention_prefill
 from runtime.ops.attention_core import allowed_keys
 
 # The memory-efficient kernel reads its bias in rows whose stride is a multiple of 16 elements.
@@ -52,6 +56,11 @@ def attention(
             q.transpose(1, 2), k, v, is_causal=True, scale=scale, enable_gqa=group > 1
         )
         return out.transpose(1, 2)
+    if (sliding_window is not None or sinks is not None) and attention_prefill.applies(
+        q, k, v, q_positions, k_positions
+    ):
+        # A block of queries with a window or sinks, which torch's flash kernels lack: the Triton flash kernel.
+        return attention_prefill.attention(q, k, v, q_positions, k_positions, scale, sliding_window, sinks)
 
     if sinks is None:
         allowed = allowed_keys(q_positions, k_positions, sliding_window)
