@@ -223,9 +223,10 @@ def save_fp8_checkpoint(hf, folder: Path, mtp_layer: int) -> None:
 
 
 def load_build(model: str, sm: int, layers: int, folder: Path, variant: str, device: str = "cuda", mtp: bool = False,
-               experts: int | None = None):
-    """The build's first `layers` decoder layers (`load_model(num_layers=...)`). `variant`: specialized (mode
-    require), generic (mode off), torch (generic, backend TORCH); `mtp`: also its embedded MTP draft
+               experts: int | None = None, parallel: str = "tp1", rank: int = 0):
+    """The build's first `layers` decoder layers (`load_model(num_layers=...)`), rank `rank` of layout `parallel`.
+    `variant`: specialized (mode require), generic (mode off), torch (generic, backend TORCH), auto (the
+    specialized build where one is declared, else the generic); `mtp`: also its embedded MTP draft
     (`speculative_config` mode mtp, read from the same checkpoint); `experts`: a bench-only smoke option, the
     specialized builds' routed experts cut to that many (it changes the model, so the product has no such
     option; the generic build keeps its own)."""
@@ -233,7 +234,7 @@ def load_build(model: str, sm: int, layers: int, folder: Path, variant: str, dev
     from generated._build_index import INDEX
 
     kwargs = {"specialized": dict(mode="require"), "generic": dict(mode="off"),
-              "torch": dict(mode="off", moe_config={"backend": "TORCH"})}[variant]
+              "torch": dict(mode="off", moe_config={"backend": "TORCH"}), "auto": dict(mode="auto")}[variant]
     if mtp:
         kwargs["speculative_config"] = {"mode": "mtp"}
     saved = {}
@@ -244,7 +245,8 @@ def load_build(model: str, sm: int, layers: int, folder: Path, variant: str, dev
             module.NUM_EXPERTS = experts
             module.EXPERTS_SPEC = dataclasses.replace(module.EXPERTS_SPEC, num_experts=experts)
     try:
-        built = load_model(model, sm, checkpoint=str(folder), device=device, num_layers=layers, **kwargs)
+        built = load_model(model, sm, parallel, checkpoint=str(folder), device=device, num_layers=layers, rank=rank,
+                           **kwargs)
     finally:
         for module, (count, spec) in saved.items():
             module.NUM_EXPERTS, module.EXPERTS_SPEC = count, spec
@@ -534,7 +536,7 @@ def _bmm_folded(q, k, v, qp, kp, scale):
 
 
 def kernel_times(fn, calls: int = 3, top: int = 14) -> dict:
-    """Device time per kernel name over `calls` calls of `fn` (torch.profiler), per call."""
+    """Device time per kernel name over `calls` calls of `fn` (torch.profiler), per call; `nccl_us`: NCCL's."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -549,6 +551,7 @@ def kernel_times(fn, calls: int = 3, top: int = 14) -> dict:
             rows.append((t / calls, e.count // calls, e.key[:90]))
     rows.sort(reverse=True)
     return {"total_us": sum(r[0] for r in rows), "kernels_per_call": sum(r[1] for r in rows),
+            "nccl_us": sum(r[0] for r in rows if r[2].startswith("nccl")),
             "top": [f"{t:8.1f} us x{c:3d} {k}" for t, c, k in rows[:top]]}
 
 
