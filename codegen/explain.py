@@ -142,8 +142,11 @@ def _draft_build_line(decl: Declaration, site: Explained, mode: str) -> str:
         return f"  draft build: {why}generated/{decl.model.name}/generic/draft.py ({draft.kind} {draft.name}, resolved at load)"
     from codegen.modeling import mtp_families, stages_families
 
+    # A family that refuses its embedded MTP says why (its checkpoints hold nothing for the draft to load).
+    refusal = f"; {decl.family.mtp_refusal}" if draft.kind == "embedded_mtp" and decl.family.mtp_refusal else ""
     return (f"  draft build: none ({why}generic builds construct only the embedded or replacement-head MTP drafts of "
-            f"{mtp_families()} and the draft stages of {stages_families()}; the {draft.kind} draft {draft.name} is declared)")
+            f"{mtp_families()} and the draft stages of {stages_families()}; the {draft.kind} draft {draft.name} is "
+            f"declared{refusal})")
 
 
 def render_text(decl: Declaration, sm: int, selection: Selection, explained: list[Explained], mode: str) -> str:

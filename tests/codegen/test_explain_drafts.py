@@ -28,6 +28,15 @@ def test_a_target_generated_without_the_mode_and_the_generic_build_say_none_serv
         "nemotron_h and qwen3_next and the draft stages of deepseek_v3 and glm4_moe; the external draft kimi_k3_drafter is declared)"]
 
 
+def test_a_family_that_refuses_its_embedded_mtp_says_why_none_serves(capsys):
+    # minimax_m2's published checkpoints carry no MTP tensors (families/minimax_m2/spec.py): nothing builds the draft.
+    assert _explain(capsys, "--model", "minimax_m3", "--sm", "103", "--parallel", "tp4", "--spec-mode", "mtp") == [
+        "  draft build: none (target minimax_m3_nvfp4__sm_103__tp4 was generated with no draft, not mtp; generic builds "
+        "construct only the embedded or replacement-head MTP drafts of deepseek_v3, glm4_moe, nemotron_h and qwen3_next "
+        "and the draft stages of deepseek_v3 and glm4_moe; the embedded_mtp draft minimax_m3_mtp is declared; MiniMax-M2 "
+        "checkpoints as published carry no MTP weights (their config's num_mtp_modules notwithstanding))"]
+
+
 def test_the_generic_build_names_its_mtp_draft(capsys):
     assert _explain(capsys, "--model", "deepseek_r1_nvfp4", "--sm", "90", "--parallel", "tp8", "--spec-mode", "mtp") == [
         "  draft build: generated/deepseek_r1_nvfp4/generic/draft.py (embedded_mtp deepseek_r1_mtp, resolved at load)"]
