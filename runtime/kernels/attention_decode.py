@@ -15,18 +15,13 @@ import functools
 
 import torch
 
+from runtime.kernels.triton_import import triton_kernels
+
 BLOCK_N = 64
 
 
-@functools.lru_cache(maxsize=None)
 def _kernels():
-    try:
-        import triton
-
-        from runtime.kernels.attention_decode_triton import decode_combine, decode_partials
-    except ImportError:
-        return None
-    return triton, decode_partials, decode_combine
+    return triton_kernels("runtime.kernels.attention_decode_triton", "decode_partials", "decode_combine")
 
 
 @functools.lru_cache(maxsize=None)

@@ -17,24 +17,18 @@ Triton is imported on first use.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
+
+from runtime.kernels.triton_import import triton_kernels
 
 BLOCK_M = 128
 BLOCK_N = 64
 
 
-@functools.lru_cache(maxsize=None)
 def _kernel():
-    try:
-        import triton
-
-        from runtime.kernels.attention_prefill_triton import prefill_attention
-    except ImportError:
-        return None
-    return triton, prefill_attention
+    return triton_kernels("runtime.kernels.attention_prefill_triton", "prefill_attention")
 
 
 def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,

@@ -9,20 +9,13 @@ is missing `applies` says no and the caller keeps torch's path.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from runtime.kernels.triton_import import triton_kernels
 
-@functools.lru_cache(maxsize=None)
+
 def _kernel():
-    try:
-        import triton
-
-        from runtime.kernels.rotary_triton import rotate
-    except ImportError:
-        return None
-    return triton, rotate
+    return triton_kernels("runtime.kernels.rotary_triton", "rotate")
 
 
 def applies(x: torch.Tensor, cos: torch.Tensor, interleaved: bool) -> bool:

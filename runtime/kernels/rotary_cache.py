@@ -12,20 +12,13 @@ Triton is imported on first use; where it is missing `applies` says no and the c
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
+from runtime.kernels.triton_import import triton_kernels
 
-@functools.lru_cache(maxsize=None)
+
 def _kernel():
-    try:
-        import triton
-
-        from runtime.kernels.rotary_cache_triton import qkv_rope_cache
-    except ImportError:
-        return None
-    return triton, qkv_rope_cache
+    return triton_kernels("runtime.kernels.rotary_cache_triton", "qkv_rope_cache")
 
 
 def applies(qkv: torch.Tensor, cos: torch.Tensor | None, first: torch.Tensor, second: torch.Tensor) -> bool:
