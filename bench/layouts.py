@@ -17,6 +17,7 @@ kernels' share of the largest batch's step (torch.profiler on rank 0).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -104,15 +105,14 @@ def run_layouts(model: str, sm: int, layers: int, layouts, folder: Path, device:
     from contract import parse_layout
     from runtime.processes import launch
 
-    vocab = build.hf_config(model, layers)[0].vocab_size
+    vocab = importlib.import_module(f"generated.{model}.facts").CONFIG["vocab_size"]
     worlds = {p: parse_layout(p).world for p in layouts}
     dps = {p: parse_layout(p).dp for p in layouts}
-    dp = max(dps.values(), default=1)
-    sizes = sorted(set(batches_for(dp, batches)) | {b for p in layouts for b in batches_for(dps[p], batches)})
-    rows_needed = max(max(sizes), dp)
-    ids = torch.randint(0, vocab, (rows_needed, max(prefill, cached + 1)), generator=torch.Generator().manual_seed(seed))
-    base = dict(model=model, sm=sm, layers=layers, folder=str(folder), ids=ids, prefill=prefill, cached=cached, reps=reps)
-    base["prefill_rows"] = dp
+    # The one-device run decodes every batch some layout decodes (each rounded up to that layout's replicas).
+    sizes = sorted({b for dp in dps.values() for b in batches_for(dp, batches)} or batches)
+    ids = torch.randint(0, vocab, (max(sizes), max(prefill, cached + 1)), generator=torch.Generator().manual_seed(seed))
+    base = dict(model=model, sm=sm, layers=layers, folder=str(folder), ids=ids, prefill=prefill, cached=cached, reps=reps,
+                prefill_rows=max(dps.values(), default=1))
     one = time_layout(0, 1, device, {**base, "parallel": "tp1", "batches": sizes})
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()   # rank 0 of every layout shares this GPU
