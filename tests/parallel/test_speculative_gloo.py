@@ -3,8 +3,9 @@ tiny_deepseek_v3 and an always-agreeing external drafter, at tp2 and tp2_moetp1e
 tokens of the one-process build (RULES SD1), with the acceptance counts a drafter of the target's own weights
 must reach. (`dep<N>` is refused before any rank starts: tests/generated/test_speculative.py.)
 
-fp32 builds on the VANILLA experts (the sharded sums differ from the whole ones by fp32 summation order,
-~5e-7 relative, far below these random-weight models' top-2 logit gaps). The oracle is the tp1 build's
+fp32 builds on the VANILLA experts: the sharded sums differ from the whole ones by fp32 summation order only
+(2e-7 to 5e-7 relative, measured for tiny_qwen3_moe: tests/parallel/common.py), so the tokens must match
+exactly; a near-tie flipped by that order would show here as a failure. The oracle is the tp1 build's
 uncached greedy decoding: a full forward over everything so far for each new token, no cache, no draft.
 """
 from __future__ import annotations
