@@ -3,13 +3,15 @@ build at real layer shapes, reduced to its first decoder layers, against transfo
 (device machine; a script, not a test).
 
     python3 bench/build.py [--model qwen3_30b_a3b|gpt_oss_120b|deepseek_v3] [--layers 4] [--out DIR]
-                           [--variants specialized,generic,torch] [--no-compile] [--no-spec] [--spec-k 1,3]
+                           [--variants specialized,generic,torch] [--no-compile] [--hf-experts batched_mm]
+                           [--no-spec] [--spec-k 1,3]
 
 Scope: a checkpoint that transformers saves (`from_config` with random weights, `save_pretrained`) at the
 model's real shapes and vocabulary, cut to `--layers` decoder layers; the specialized build, the generic
 build and the TORCH-bound (generic) build load it through `generated.load_model`; transformers' own model
 loads it too (bf16, its default attention; and, unless --no-compile, its static cache with
-`torch.compile(mode="reduce-overhead")`). Prefill: 2048 tokens, batch 1, eager. Decode: one step at batch
+`torch.compile(mode="reduce-overhead")`, with its default experts implementation and with each one
+`--hf-experts` names). Prefill: 2048 tokens, batch 1, eager. Decode: one step at batch
 1, 8 and 32 with 1024 tokens in the cache; the builds replay their `runtime.decoding.Decoder` step (a CUDA
 graph). Every time stands next to its parity against transformers' bf16 eager logits on the same inputs
 (relative error, top-1 agreement). R_roof = bytes the step must read / copy bandwidth / step time.
@@ -394,11 +396,26 @@ def transformers_refs(hf, ids):
     return refs, times
 
 
-def transformers_compiled(hf, ids, refs):
-    """transformers with its static cache and `torch.compile(mode="reduce-overhead")` on the decode step."""
+def transformers_compiled(hf, ids, refs, experts: str | None = None):
+    """transformers with its static cache and `torch.compile(mode="reduce-overhead")` on the decode step;
+    `experts`: the experts implementation to compile with (`set_experts_implementation`; None keeps the
+    model's own). Its default, `grouped_mm`, sorts tokens by expert, so the shapes inside a step follow the
+    routing and inductor records a graph per shape it meets; `batched_mm` gathers each token's expert
+    weights, so a step has fixed shapes (at the cost of the gathered copies)."""
+    before = getattr(hf.config, "_experts_implementation", None)
+    if experts is not None:
+        hf.set_experts_implementation(experts)
+    try:
+        return _compiled_steps(hf, ids, refs)
+    finally:
+        if experts is not None:
+            hf.set_experts_implementation(before)
+
+
+def _compiled_steps(hf, ids, refs):
     from transformers import StaticCache
 
-    out = {}
+    out = {"experts_implementation": getattr(hf.config, "_experts_implementation", None)}
     compiled = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
     with torch.no_grad():
         for batch in BATCHES:
@@ -576,7 +593,11 @@ def profile_prefill(model, ids, calls: int = 10) -> dict:
     """Where an eager prefill's time goes: the host's time to enqueue one call (no sync) against its wall
     time (enqueue + drain), medians over `calls`; when they are close the call is host-bound, and the
     kernels' own device time (`kernels`) says how much of the wall the GPU is busy; `host_3_calls`: the
-    Python functions the host spends that time in (cProfile over 3 calls, by own time)."""
+    Python functions the host spends that time in (cProfile over 3 calls, by own time); `host_ops`: the
+    torch ops one call dispatches, nested ones included, by their own host time (torch.profiler's CPU side:
+    calls and self µs)."""
+    from torch.profiler import ProfilerActivity, profile
+
     enqueue, wall = [], []
     with torch.no_grad():
         for _ in range(calls):
@@ -591,10 +612,17 @@ def profile_prefill(model, ids, calls: int = 10) -> dict:
         host = cProfile.Profile()
         host.runcall(lambda: [model(ids[:1]) for _ in range(3)])
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU]) as ops:
+            model(ids[:1])
+            torch.cuda.synchronize()
     text = io.StringIO()
     pstats.Stats(host, stream=text).sort_stats("tottime").print_stats(18)
+    by_host = sorted(ops.key_averages(), key=lambda e: -e.self_cpu_time_total)
     return {"enqueue_ms": sorted(enqueue)[calls // 2], "wall_ms": sorted(wall)[calls // 2], "kernels": kernels,
-            "host_3_calls": [line[:160] for line in text.getvalue().splitlines() if line.strip()][-20:]}
+            "host_3_calls": [line[:160] for line in text.getvalue().splitlines() if line.strip()][-20:],
+            "host_ops": {"calls": sum(e.count for e in by_host),
+                         "top": [{"op": e.key, "calls": e.count, "self_us": round(e.self_cpu_time_total, 1)}
+                                 for e in by_host[:25]]}}
 
 
 def attention_micro():
@@ -636,6 +664,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--variants", default="specialized,generic,torch")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--hf-experts", default="", help="also compile transformers with these experts "
+                        "implementations (comma-separated, e.g. batched_mm), each timed as its own row")
     parser.add_argument("--profile", action="store_true",
                         help="each build's kernel times (decode steps at B=1 and 32, prefill) and prefill's host time")
     parser.add_argument("--no-spec", action="store_true", help="leave out the speculative decoding timings")
@@ -701,11 +731,14 @@ def main() -> None:
         torch.cuda.empty_cache()
     report["builds"] = results
     if not args.no_compile:
-        try:
-            report["transformers_compiled"] = transformers_compiled(hf, ids, refs)
-        except Exception:  # noqa: BLE001
-            report["transformers_compiled_error"] = traceback.format_exc()
-            print(report["transformers_compiled_error"], flush=True)
+        for experts in [None] + [e for e in args.hf_experts.split(",") if e]:
+            key = "transformers_compiled" + (f"_{experts}" if experts else "")
+            try:
+                report[key] = transformers_compiled(hf, ids, refs, experts)
+            except Exception:  # noqa: BLE001
+                report[key + "_error"] = traceback.format_exc()
+                print(report[key + "_error"], flush=True)
+            torch._dynamo.reset()   # the next implementation compiles afresh
     if args.fp32_parity:
         try:
             fp32_parity(hf, ids, refs, kept, report)
@@ -723,8 +756,9 @@ def main() -> None:
     print(f"| variant | prefill 2048 ms [min-max of {PREFILL_REPS}] (of bf16 peak; rel, top1) | "
           + " | ".join(f"decode B={b} ms (R_roof; rel, top1)" for b in BATCHES) + " |")
     rows = [{"variant": "transformers eager", **hf_times}] + results
-    if "transformers_compiled" in report:
-        rows.append({"variant": "transformers static+compile", **report["transformers_compiled"]})
+    for key, value in report.items():
+        if key.startswith("transformers_compiled") and not key.endswith("_error"):
+            rows.append({"variant": f"transformers static+compile ({value.get('experts_implementation') or 'default'} experts)", **value})
     for row in rows:
         if "error" in row:
             print(f"| {row['variant']} | error: {row['error'].strip().splitlines()[-1]} |")

@@ -72,12 +72,19 @@ TRITON_SWEEP = {
         ((64, 128, 128, 8, 3, 16), (64, 128, 128, 4, 4, 16)),
         ((64, 128, 128, 8, 3, 8), (64, 128, 128, 4, 6, 8)),
         ((64, 128, 128, 8, 4, 8), (64, 256, 128, 8, 4, 8)),
+        # token tiles for 4-32 rows per expert (the 64-256-token cells, where the CUPY tiles trail vLLM's
+        # Triton kernel): Triton lowers BM < 64 to mma.sync; no spills with Triton 3.9 offline (ptxas, sm_90a)
+        ((16, 128, 128, 4, 4, 8), (16, 128, 128, 4, 4, 8)),
+        ((32, 128, 128, 8, 3, 8), (32, 128, 128, 4, 4, 8)),
     ],
     "bf16": [
         ((128, 128, 64, 8, 3, 8), (128, 256, 64, 8, 3, 8)),
         ((128, 128, 64, 8, 4, 8), (128, 256, 64, 8, 4, 8)),
         ((128, 128, 64, 8, 3, 16), (128, 256, 64, 8, 3, 16)),
         ((128, 64, 64, 8, 4, 8), (128, 256, 64, 8, 3, 8)),
+        ((16, 128, 64, 4, 4, 8), (16, 128, 64, 4, 4, 8)),
+        ((32, 128, 64, 4, 4, 8), (32, 128, 64, 4, 4, 8)),
+        ((64, 128, 64, 4, 4, 8), (64, 128, 64, 4, 4, 8)),
     ],
 }
 BYTES_PER_PARAM = {"bf16": 2.0, "fp8_block_scales": 1 + 4 / 128 ** 2, "w4a16_mxfp4": 0.5 + 1 / 32,
@@ -442,7 +449,8 @@ def profile(args):
 def decode_kernels(args, result):
     """The GEMMs alone at the decode cells (torch.profiler over the rotated weight copies, uniform
     routing): GEMM1 and GEMM2 microseconds per call and TB/s of the packed bytes of the active experts,
-    for what plan() and _split() pick and, on the split-K tile, each compiled factor forced."""
+    for what plan() and _split() pick, on the split-K tile each compiled factor forced, and each tile of
+    `--decode-tiles` forced."""
     from torch.profiler import ProfilerActivity, profile as prof
 
     from runtime import kernels as K
@@ -462,6 +470,7 @@ def decode_kernels(args, result):
                 active = int(ids.unique().numel())
                 tile = tuple(mods[0].plan(t, k)[1])
                 options = [None] + ([(*tile, sk) for sk in (1,) + splits] if splits and tile == K.SPLIT_TILE else [])
+                options += [forced for forced in args.decode_tiles if forced not in options]
                 for opt in options:
                     with torch.no_grad():
                         for m in mods:
@@ -691,6 +700,8 @@ def main():
     p.add_argument("--profile", action="store_true", help="print per-kernel times of a few cells first")
     p.add_argument("--decode-kernels", action="store_true",
                    help="time the GEMM kernels alone at --shapes/--formats/--tokens first (split-K factors too)")
+    p.add_argument("--decode-tiles", default="", type=lambda v: [tuple(map(int, x.split("x"))) for x in v.split(",") if x],
+                   help="warp tiles MTxNT (comma-separated, e.g. 1x1,1x2) --decode-kernels also forces at every cell")
     p.add_argument("--only-extras", action="store_true", help="stop after --sweep / --profile / --decode-kernels")
     p.add_argument("--peers-from", default="", help="a previous moe_layer.json whose peer times to reuse")
     p.add_argument("--date", default=time.strftime("%Y-%m-%d"))
