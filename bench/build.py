@@ -404,44 +404,39 @@ def transformers_refs(hf, ids):
 
 def transformers_compiled(hf, ids, refs, experts: str | None = None):
     """transformers with its static cache and `torch.compile(mode="reduce-overhead")` on the decode step;
-    `experts`: the experts implementation to compile with (`set_experts_implementation`; None keeps the
-    model's own). Its default, `grouped_mm`, sorts tokens by expert, so the shapes inside a step follow the
-    routing and inductor records a graph per shape it meets; `batched_mm` gathers each token's expert
-    weights, so a step has fixed shapes (at the cost of the gathered copies)."""
+    `experts`: the experts implementation to compile with (`set_experts_implementation`, restored after;
+    None keeps the model's own; transformers' documentation calls `batched_mm`, which gathers each token's
+    expert weights, the fastest for small inputs under compilation)."""
+    from transformers import StaticCache
+
     before = getattr(hf.config, "_experts_implementation", None)
     if experts is not None:
         hf.set_experts_implementation(experts)
+    out = {"experts_implementation": getattr(hf.config, "_experts_implementation", None)}
+    compiled = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
     try:
-        return _compiled_steps(hf, ids, refs)
+        with torch.no_grad():
+            for batch in BATCHES:
+                cache = StaticCache(config=hf.config, max_cache_len=CACHED + 64)
+                hf(ids[:batch, :CACHED], past_key_values=cache, use_cache=True,
+                   cache_position=torch.arange(CACHED, device="cuda"))
+                step = ids[:batch, CACHED:CACHED + 1].clone()
+                pos = torch.tensor([CACHED], device="cuda")
+
+                def one():
+                    return compiled(input_ids=step, past_key_values=cache, use_cache=True, cache_position=pos,
+                                    position_ids=pos[None].expand(batch, 1)).logits
+
+                t0 = time.perf_counter()
+                logits = one()
+                logits = one()
+                torch.cuda.synchronize()
+                out[f"compile_b{batch}_s"] = time.perf_counter() - t0
+                out[f"decode_b{batch}"] = parity(logits[:, -1], refs[f"decode_b{batch}"])
+                out[f"decode_b{batch}_ms"] = events_ms(one, 50, warmup=5)
     finally:
         if experts is not None:
             hf.set_experts_implementation(before)
-
-
-def _compiled_steps(hf, ids, refs):
-    from transformers import StaticCache
-
-    out = {"experts_implementation": getattr(hf.config, "_experts_implementation", None)}
-    compiled = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
-    with torch.no_grad():
-        for batch in BATCHES:
-            cache = StaticCache(config=hf.config, max_cache_len=CACHED + 64)
-            hf(ids[:batch, :CACHED], past_key_values=cache, use_cache=True,
-               cache_position=torch.arange(CACHED, device="cuda"))
-            step = ids[:batch, CACHED:CACHED + 1].clone()
-            pos = torch.tensor([CACHED], device="cuda")
-
-            def one():
-                return compiled(input_ids=step, past_key_values=cache, use_cache=True, cache_position=pos,
-                                position_ids=pos[None].expand(batch, 1)).logits
-
-            t0 = time.perf_counter()
-            logits = one()
-            logits = one()
-            torch.cuda.synchronize()
-            out[f"compile_b{batch}_s"] = time.perf_counter() - t0
-            out[f"decode_b{batch}"] = parity(logits[:, -1], refs[f"decode_b{batch}"])
-            out[f"decode_b{batch}_ms"] = events_ms(one, 50, warmup=5)
     return out
 
 

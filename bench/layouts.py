@@ -106,21 +106,20 @@ def run_layouts(model: str, sm: int, layers: int, layouts, folder: Path, device:
     from runtime.processes import launch
 
     vocab = importlib.import_module(f"generated.{model}.facts").CONFIG["vocab_size"]
-    worlds = {p: parse_layout(p).world for p in layouts}
-    dps = {p: parse_layout(p).dp for p in layouts}
+    parsed = {p: parse_layout(p) for p in layouts}
     # The one-device run decodes every batch some layout decodes (each rounded up to that layout's replicas).
-    sizes = sorted({b for dp in dps.values() for b in batches_for(dp, batches)} or batches)
+    sizes = sorted({b for lay in parsed.values() for b in batches_for(lay.dp, batches)} or batches)
     ids = torch.randint(0, vocab, (max(sizes), max(prefill, cached + 1)), generator=torch.Generator().manual_seed(seed))
     base = dict(model=model, sm=sm, layers=layers, folder=str(folder), ids=ids, prefill=prefill, cached=cached, reps=reps,
-                prefill_rows=max(dps.values(), default=1))
+                prefill_rows=max((lay.dp for lay in parsed.values()), default=1))
     one = time_layout(0, 1, device, {**base, "parallel": "tp1", "batches": sizes})
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()   # rank 0 of every layout shares this GPU
     rows = [compare(one, one)]
     for p in layouts:
-        spec = {**base, "parallel": p, "batches": batches_for(dps[p], batches)}
+        spec = {**base, "parallel": p, "batches": batches_for(parsed[p].dp, batches)}
         try:
-            ranks = launch(time_layout, worlds[p], (spec,), device=device, timeout_s=120, job_timeout_s=1200)
+            ranks = launch(time_layout, parsed[p].world, (spec,), device=device, timeout_s=120, job_timeout_s=1200)
         except Exception:  # noqa: BLE001 - a layout that fails is reported, the others still run
             rows.append({"parallel": p, "error": traceback.format_exc()})
             continue
