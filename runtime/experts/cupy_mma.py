@@ -7,6 +7,9 @@ Per call, with no host synchronization (CUDA-graph capturable):
   4. FP8 formats quantize the intermediate;
   5. GEMM2 (down) writes fp32 rows; 6. `moe_combine` adds the down bias, weighs and sums each
      token's rows in fp32 and rounds once to bf16.
+A one-token call (a batch-1 decode step) takes the `pairs` path: its top-k experts are distinct, so
+each routing pair is its own tile (the `_pairs` GEMMs read the expert from the ids, and y's rows are
+the pairs) and step 1 is skipped; steps 2-6 compute the same values with one launch fewer.
 The GEMMs are `moe_gemm` (tensor-core mma.sync, weights streamed from HBM into registers and
 dequantized there, so quantized weights stay packed on the device). bf16 layers with many rows per
 expert (prefill) run both GEMMs through `torch._grouped_mm` instead (~600 TFLOP/s here), keeping the
@@ -17,6 +20,7 @@ once at load (gate/up rows interleaved; FP4 bits rearranged: runtime/kernels/lay
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -47,6 +51,17 @@ def _row_blocks(n: int, tile) -> int:
     16-row m-tiles (tile = (MT, NT) or (MT, NT, SK); moe_kernels.cu's `nblocks`)."""
     sk = tile[2] if len(tile) > 2 else 1
     return math.ceil(n // 16 / (4 // sk * tile[0]))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+    """The token tiles of one call's GEMMs over its `routed` (token, slot) pairs: moe_align's (`count`
+    bounds them; `args`: its sorted pairs, expert offsets, tile experts, tile rows and tile count) or,
+    `by_pair`, the pairs themselves (`args`: the ids, the local-expert map, the experts and the pairs)."""
+    count: int
+    args: tuple
+    routed: int
+    by_pair: bool = False
 
 
 class _CupyMmaExperts(ExpertsBase):
@@ -168,8 +183,10 @@ class _CupyMmaExperts(ExpertsBase):
         self._local_map(device)
 
     def plan(self, tokens: int, top_k: int) -> tuple[str, tuple[int, int]]:
-        """('grouped_mm' | 'kernels', warp tile) for a call with `tokens` tokens: a host-side choice on
-        the shape only (fixed for a CUDA graph of that shape)."""
+        """('pairs' | 'grouped_mm' | 'kernels', warp tile) for a call with `tokens` tokens: a host-side
+        choice on the shape only (fixed for a CUDA graph of that shape); 'pairs' for one token."""
+        if tokens == 1:   # its pairs name distinct experts: one tile each reads every expert once
+            return "pairs", K.SPLIT_TILE
         rows = tokens * top_k / self.spec.num_experts   # expected rows per expert, uniform routing
         # size the token tile for a busy expert (mean + 2 sigma of a Poisson count): an expert whose
         # rows overflow the tile streams its weights once more
@@ -220,9 +237,22 @@ class _CupyMmaExperts(ExpertsBase):
         n1 = 2 * inter if spec.gated else inter
         pairs = tokens * top_k
         auto_path, auto_tile = self.plan(tokens, top_k)
+        if auto_path == "pairs" and tile is not None and tuple(tile[:2]) != K.SPLIT_TILE:
+            auto_path = "kernels"   # a forced tile the pair kernels lack runs the sorted path
         path, tile = path or auto_path, tuple(tile or auto_tile)
-        max_tiles, offs, sorted_pair, sorted_expert, pair_pos, tile_expert, tile_row, num_tiles, total_ptr = \
-            self._route(kern, stream, ids, pairs, 8 * tile[1])
+        if path == "pairs":
+            if tile[:2] != K.SPLIT_TILE:
+                raise ValueError(f"{self.IMPL_ID}: the pairs path runs the {K.SPLIT_TILE} warp tile, not {tile}")
+            local = self._local_map(device)
+            tiles = _Tiles(pairs, (_p(ids), _p(local), _i(spec.num_experts), _i(pairs)), pairs, by_pair=True)
+            # y's rows are the pairs: moe_combine reads their experts from the ids
+            pair_pos = sorted_expert = total_ptr = None
+            pair_ids = (ids, local)
+        else:
+            max_tiles, offs, sorted_pair, sorted_expert, pair_pos, tile_expert, tile_row, num_tiles, total_ptr = \
+                self._route(kern, stream, ids, pairs, 8 * tile[1])
+            tiles = _Tiles(max_tiles, (_p(sorted_pair), _p(offs), _p(tile_expert), _p(tile_row), _p(num_tiles)), pairs)
+            pair_ids = (None, None)
         kind, alpha, limit = _ACT_KIND[spec.activation], spec.swiglu_alpha, spec.swiglu_limit
         b13 = self.b13 if spec.expert_bias else None
 
@@ -254,21 +284,22 @@ class _CupyMmaExperts(ExpertsBase):
             ws2_2 = self.g2 if fmt == "w4a16_nvfp4" else None
             s13 = self.s13 if fmt != "bf16" else None
             s2 = self.s2 if fmt != "bf16" else None
-            self._gemm(kern, stream, epi1, tile, max_tiles, self.w13, s13, ws2_13, a1, as1, 1, sorted_pair, offs,
-                       tile_expert, tile_row, num_tiles, b13, h, n1, hsize, inter, top_k, kind, alpha, limit)
+            self._gemm(kern, stream, epi1, tile, tiles, self.w13, s13, ws2_13, a1, as1, 1, b13, h, n1, hsize, inter,
+                       top_k, kind, alpha, limit)
             a2, as2 = h, None
             if aq:
                 a2 = self._empty((pairs, inter), torch.uint8, device, poison)
                 as2 = self._empty((pairs, inter // 128) if aq == 1 else (pairs,), torch.float32, device, poison)
                 kern.launch("quant_fp8_rows", (pairs,), (128,),
-                            (_p(h), total_ptr, _p(a2), _p(as2), _i(inter), _i(aq)), stream)
+                            (_p(h), np.uint64(0) if total_ptr is None else total_ptr, _p(a2), _p(as2), _i(inter),
+                             _i(aq)), stream)
             y = self._empty((pairs, hsize), torch.float32, device, poison)
-            self._gemm(kern, stream, K.EPI_DOWN, tile, max_tiles, self.w2, s2, ws2_2, a2, as2, 0, sorted_pair,
-                       offs, tile_expert, tile_row, num_tiles, None, y, hsize, inter, inter, top_k, kind, alpha,
-                       limit)
+            self._gemm(kern, stream, K.EPI_DOWN, tile, tiles, self.w2, s2, ws2_2, a2, as2, 0, None, y, hsize, inter,
+                       inter, top_k, kind, alpha, limit)
             y_bf16 = 0
 
-        return self._combine(kern, stream, y, y_bf16, pair_pos, sorted_expert, weights, tokens, hidden.dtype)
+        return self._combine(kern, stream, y, y_bf16, pair_pos, sorted_expert, weights, tokens, hidden.dtype,
+                             *pair_ids)
 
     def _route(self, kern, stream, ids, pairs, bt):
         """`moe_align` into fresh int32 workspaces: the pairs counting-sorted by local expert and the
@@ -289,17 +320,19 @@ class _CupyMmaExperts(ExpertsBase):
                      _p(num_tiles)), stream)
         return max_tiles, offs, sorted_pair, sorted_expert, pair_pos, tile_expert, tile_row, num_tiles, total_ptr
 
-    def _combine(self, kern, stream, y, y_bf16, pair_pos, sorted_expert, weights, tokens, dtype):
-        """`moe_combine`: each token's rows of `y` (sorted order) plus the down bias, weighed, summed in
+    def _combine(self, kern, stream, y, y_bf16, pair_pos, sorted_expert, weights, tokens, dtype, ids=None,
+                 local_map=None):
+        """`moe_combine`: each token's rows of `y` (sorted order; pair order when `pair_pos` is None, the
+        pairs' experts then read through `ids` and `local_map`) plus the down bias, weighed, summed in
         fp32 and rounded once to bf16; returned in `dtype`."""
         hsize, b2 = self.spec.hidden_size, self.b2 if self.adds_down_bias else None
         out = self._empty((tokens, hsize), torch.bfloat16, y.device, self.debug_poison)
         kern.launch("moe_combine", (math.ceil(hsize / 1024), tokens), (256,),
                     (_p(y), _i(y_bf16), _p(pair_pos), _p(sorted_expert), _p(weights), _p(b2), _p(out),
-                     _i(hsize), _i(weights.shape[1])), stream)
+                     _i(hsize), _i(weights.shape[1]), _p(ids), _p(local_map), _i(self.spec.num_experts)), stream)
         return out if dtype == torch.bfloat16 else out.to(dtype)
 
-    def _split(self, kern, epi, tile, pairs, n):
+    def _split(self, kern, epi, tile, pairs, n, pair_tiles: bool = False):
         """`tile` with the split-K factor of this GEMM: the largest compiled one whose items all fit in
         one wave of resident CTAs (for the most token tiles `pairs` routed rows can make), so that a
         decode call with few active experts spreads K over more warps instead of leaving SMs idle;
@@ -316,19 +349,19 @@ class _CupyMmaExperts(ExpertsBase):
         best = 1
         for sk in K.splits(self.FORMAT, tile):
             split = (*tile, sk)
-            if tiles * _row_blocks(n, split) <= kern.persistent_grid(K.gemm_name(self.FORMAT, epi, split), 1 << 30):
+            name = K.gemm_name(self.FORMAT, epi, split, pairs=pair_tiles)
+            if tiles * _row_blocks(n, split) <= kern.persistent_grid(name, 1 << 30):
                 best = sk
         return (*tile, best)
 
-    def _gemm(self, kern, stream, epi, tile, max_tiles, w, ws, ws2, a, a_scale, a_by_token, sorted_pair, offs,
-              tile_expert, tile_row, num_tiles, bias, out, n, k, inter, top_k, kind, alpha, limit):
-        tile = self._split(kern, epi, tile, sorted_pair.shape[0], n)
-        name = K.gemm_name(self.FORMAT, epi, tile)
-        grid = kern.persistent_grid(name, max_tiles * _row_blocks(n, tile))
+    def _gemm(self, kern, stream, epi, tile, tiles: _Tiles, w, ws, ws2, a, a_scale, a_by_token, bias, out, n, k,
+              inter, top_k, kind, alpha, limit):
+        tile = self._split(kern, epi, tile, tiles.routed, n, tiles.by_pair)
+        name = K.gemm_name(self.FORMAT, epi, tile, pairs=tiles.by_pair)
+        grid = kern.persistent_grid(name, tiles.count * _row_blocks(n, tile))
         kern.launch(name, (grid,), (128,),
-                    (_p(w), _p(ws), _p(ws2), _p(a), _p(a_scale), _i(a_by_token), _p(sorted_pair), _p(offs),
-                     _p(tile_expert), _p(tile_row), _p(num_tiles), _p(bias), _p(out), _i(n), _i(k), _i(inter),
-                     _i(top_k), _i(kind), _f(alpha), _f(limit)), stream)
+                    (_p(w), _p(ws), _p(ws2), _p(a), _p(a_scale), _i(a_by_token), *tiles.args, _p(bias), _p(out),
+                     _i(n), _i(k), _i(inter), _i(top_k), _i(kind), _f(alpha), _f(limit)), stream)
 
 
 class CupyMmaBf16Experts(_CupyMmaExperts):

@@ -52,16 +52,23 @@ def splits(fmt: str, tile) -> tuple[int, ...]:
     return SPLITS.get(fmt, ()) if tuple(tile[:2]) == SPLIT_TILE else ()
 
 
-def gemm_name(fmt: str, epi: int, tile) -> str:
-    """Kernel name of a warp tile (MT, NT) or (MT, NT, SK); SK = 1 is the plain kernel."""
+def gemm_name(fmt: str, epi: int, tile, pairs: bool = False) -> str:
+    """Kernel name of a warp tile (MT, NT) or (MT, NT, SK); SK = 1 is the plain kernel. `pairs`: the
+    pair-tile kernel (one-token calls, no sort) of the split-K tile (1, 1[, SK])."""
+    if pairs:
+        return f"moe_gemm_{WF[fmt]}_{AQ[fmt]}_{epi}_1_1_{tile[2] if len(tile) > 2 else 1}_pairs"
     split = f"_{tile[2]}" if len(tile) > 2 and tile[2] > 1 else ""
     return f"moe_gemm_{WF[fmt]}_{AQ[fmt]}_{epi}_{tile[0]}_{tile[1]}{split}"
 
 
-def gemm_instances(fmt: str, epis=(EPI_GATED, EPI_RELU2, EPI_DOWN), extra_tiles=()) -> tuple[tuple[int, ...], ...]:
+def gemm_instances(fmt: str, epis=(EPI_GATED, EPI_RELU2, EPI_DOWN), extra_tiles=()) -> tuple[tuple, ...]:
+    """(WF, AQ, EPI, MT, NT[, SK]) of every tile of `fmt` for `epis`, then the pair-tile kernels,
+    (WF, AQ, EPI, 1, 1, SK, "pairs") for SK = 1 and the split-K factors of the (1, 1) tile."""
     all_tiles = tiles(fmt) + tuple(t for t in extra_tiles if t not in tiles(fmt))
     all_tiles += tuple((*t, sk) for t in tiles(fmt) for sk in splits(fmt, t))
-    return tuple((WF[fmt], AQ[fmt], epi, *tile) for epi in epis for tile in all_tiles)
+    pair_splits = (1,) + splits(fmt, SPLIT_TILE)
+    return (tuple((WF[fmt], AQ[fmt], epi, *tile) for epi in epis for tile in all_tiles)
+            + tuple((WF[fmt], AQ[fmt], epi, 1, 1, sk, "pairs") for epi in epis for sk in pair_splits))
 
 
 def all_instances() -> tuple[tuple[int, ...], ...]:
@@ -74,9 +81,15 @@ def all_instances() -> tuple[tuple[int, ...], ...]:
     return tuple(seen)
 
 
+def _instance_line(inst) -> str:
+    if inst[-1] == "pairs":
+        wf, aq, epi, _, _, sk, _ = inst
+        return f"MOE_GEMM_INSTANCE_PAIRS({wf}, {aq}, {epi}, {sk})\n"
+    return f"MOE_GEMM_INSTANCE{'_SPLIT' if len(inst) > 5 else ''}({', '.join(map(str, inst))})\n"
+
+
 def source_text(instances) -> str:
-    lines = "".join(f"MOE_GEMM_INSTANCE{'_SPLIT' if len(inst) > 5 else ''}({', '.join(map(str, inst))})\n"
-                    for inst in instances)
+    lines = "".join(_instance_line(inst) for inst in instances)
     return SOURCE.read_text() + "\n// ---- instances ----\n" + lines
 
 

@@ -20,6 +20,9 @@
 //    (g) and the matching up rows (g + 8) and the activation is computed in registers.
 //  * a persistent grid walks (token tile, n-block) items; the item count comes from the device, so
 //    nothing is read back to the host and the whole op is CUDA-graph capturable.
+//  * pair tiles (the `_pairs` entry points) skip the sort for one-token calls, whose top-k experts
+//    are distinct: tile p is routing pair p (its expert read from the ids, one row), so neither GEMM
+//    nor moe_combine needs moe_align's arrays, and the call has one launch fewer.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -353,17 +356,28 @@ extern "C" __global__ void __launch_bounds__(128) act_rows(
 // weighted combine: out[t] = sum_j w[t, j] * (y[pos(t, j)] + bias[e(t, j)]) in fp32, then bf16
 // ------------------------------------------------------------------------------------------------
 // y is fp32 (ybf16 = 0) or bf16 (ybf16 = 1), rows in sorted order. One thread per 4 channels.
+// Pair tiles (pair_pos null): row p of y is pair p, its local expert read through ids and local_map.
 extern "C" __global__ void __launch_bounds__(256) moe_combine(
     const void* __restrict__ y, int ybf16, const int* __restrict__ pair_pos, const int* __restrict__ sorted_expert,
-    const float* __restrict__ topk_w, const float* __restrict__ bias, u16* __restrict__ out, int H, int topk) {
+    const float* __restrict__ topk_w, const float* __restrict__ bias, u16* __restrict__ out, int H, int topk,
+    const long long* __restrict__ ids, const int* __restrict__ local_map, int num_experts) {
   const int t = blockIdx.y;
   const int c = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
   if (c >= H) return;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   for (int j = 0; j < topk; ++j) {
     const int p = t * topk + j;
-    const int pos = pair_pos[p];
-    if (pos < 0) continue;
+    int pos, le;
+    if (pair_pos) {
+      pos = pair_pos[p];
+      if (pos < 0) continue;
+      le = bias ? sorted_expert[pos] : 0;
+    } else {
+      const long long ge = ids[p];
+      le = (ge >= 0 && ge < num_experts) ? local_map[ge] : -1;
+      if (le < 0) continue;
+      pos = p;
+    }
     float v[4];
     if (ybf16) {
       uint2 raw = *reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(y) + (size_t)pos * H + c);
@@ -374,7 +388,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(
       v[0] = raw.x; v[1] = raw.y; v[2] = raw.z; v[3] = raw.w;
     }
     if (bias) {
-      const float4 b = *reinterpret_cast<const float4*>(bias + (size_t)sorted_expert[pos] * H + c);
+      const float4 b = *reinterpret_cast<const float4*>(bias + (size_t)le * H + c);
       v[0] += b.x; v[1] += b.y; v[2] += b.z; v[3] += b.w;
     }
     const float w = topk_w[p];
@@ -667,13 +681,18 @@ template <int WF, int MT, int NT> struct Unroll {
 // the chunks, and the partial sums meet in shared memory (fixed order: deterministic) before warp
 // ks = 0 of the group runs the epilogue. The grid then holds SK times more warps for the same
 // rows: decode calls whose items would leave SMs idle use it (runtime/experts/cupy_mma.py: _split).
-template <int WF, int AQ, int EPI, int MT, int NT, int SK>
+// PT (pair tiles): the tiles are the routing pairs `ids` [pairs] (global expert ids, mapped to this
+// rank's by `local_map`; pairs of other ranks' experts are skipped), one row each, and the sort arrays
+// are unused.
+template <int WF, int AQ, int EPI, int MT, int NT, int SK, bool PT>
 __device__ __forceinline__ void moe_gemm_impl(
     const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2,
     const u8* __restrict__ A, const float* __restrict__ AS, int a_by_token,
     const int* __restrict__ sorted_pair, const int* __restrict__ offs, const int* __restrict__ tile_expert,
-    const int* __restrict__ tile_row, const int* __restrict__ num_tiles, const float* __restrict__ bias,
-    void* __restrict__ out, int N, int K, int I, int topk, int kind, float alpha, float limit) {
+    const int* __restrict__ tile_row, const int* __restrict__ num_tiles,
+    const long long* __restrict__ ids, const int* __restrict__ local_map, int num_experts, int pairs,
+    const float* __restrict__ bias, void* __restrict__ out, int N, int K, int I, int topk, int kind,
+    float alpha, float limit) {
   constexpr int BT = 8 * NT;
   constexpr int WW = WTraits<WF>::WORDS;
   constexpr int AW = ATraits<AQ>::WORDS;
@@ -683,11 +702,12 @@ __device__ __forceinline__ void moe_gemm_impl(
   const int g = lane >> 2, t = lane & 3;
   static_assert(SK == 1 || ((WF == WF_MXFP4 || WF == WF_NVFP4) && (SK == 2 || SK == 4)),
                 "split K: 4-bit formats (per-chunk scales), 2 or 4 warps per m-tile group");
+  static_assert(!PT || (MT == 1 && NT == 1), "pair tiles hold one row: the (1, 1) warp tile");
   constexpr int GROUPS = 4 / SK;   // m-tile groups of MT per CTA
   const int grp = warp / SK, ks = warp % SK;
   const int n_tiles16 = N / 16;   // gated: N = 2I and one m-tile holds 8 gate + 8 up rows
   const int nblocks = (n_tiles16 + GROUPS * MT - 1) / (GROUPS * MT);
-  const int items = num_tiles[0] * nblocks;
+  const int items = (PT ? pairs : num_tiles[0]) * nblocks;
   const int nch = K / 64;
   const int kc0 = ks * nch / SK, kc1 = (ks + 1) * nch / SK;   // this warp's chunks [kc0, kc1)
   __shared__ float red[SK > 1 ? 4 : 1][SK > 1 ? MT * NT * 4 : 1][32];
@@ -700,16 +720,25 @@ __device__ __forceinline__ void moe_gemm_impl(
     // this warp has no rows in the edge block (split K: it computes clamped rows and stores none,
     // as its group's other warps meet it at the barriers below)
     if (SK == 1 && mt0 >= n_tiles16) continue;
-    const int le = tile_expert[tile];
-    const int r0 = tile_row[tile];
-    const int cnt = min(BT, offs[le + 1] - r0);
+    int le, r0, cnt;
+    if constexpr (PT) {
+      const long long ge = ids[tile];
+      le = (ge >= 0 && ge < num_experts) ? local_map[ge] : -1;
+      if (le < 0) continue;   // another rank's expert (or a dropped slot): the same for the whole CTA
+      r0 = tile;              // the pair's row of h and y
+      cnt = 1;
+    } else {
+      le = tile_expert[tile];
+      r0 = tile_row[tile];
+      cnt = min(BT, offs[le + 1] - r0);
+    }
 
     // activation rows of this lane's B fragments (slot g of fragment f), clamped into the tile
     const u8* ap[NT];
 #pragma unroll
     for (int f = 0; f < NT; ++f) {
       const int s = r0 + min(f * 8 + g, cnt - 1);
-      const int row = a_by_token ? sorted_pair[s] / topk : s;
+      const int row = a_by_token ? (PT ? s : sorted_pair[s]) / topk : s;
       ap[f] = A + (size_t)row * arow_bytes + t * ATraits<AQ>::LANE;
     }
     // activation rows of the two output tokens (2t, 2t + 1) of each fragment, for the scales
@@ -719,7 +748,7 @@ __device__ __forceinline__ void moe_gemm_impl(
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int s = r0 + min(f * 8 + 2 * t + i, cnt - 1);
-        trow[f][i] = a_by_token ? sorted_pair[s] / topk : s;
+        trow[f][i] = a_by_token ? (PT ? s : sorted_pair[s]) / topk : s;
       }
     // weight rows g and g + 8 of each m-tile (edge m-tiles clamp; their results are not stored)
     const u8* wp[MT][2];
@@ -985,11 +1014,24 @@ __device__ __forceinline__ void moe_gemm_impl(
       const int* __restrict__ sorted_pair, const int* __restrict__ offs, const int* __restrict__ tile_expert, \
       const int* __restrict__ tile_row, const int* __restrict__ num_tiles, const float* __restrict__ bias,   \
       void* __restrict__ out, int N, int K, int I, int topk, int kind, float alpha, float limit) {          \
-    moe_gemm_impl<WF, AQ, EPI, MT, NT, SK>(W, WS, WS2, A, AS, a_by_token, sorted_pair, offs, tile_expert,       \
-                                       tile_row, num_tiles, bias, out, N, K, I, topk, kind, alpha, limit);  \
+    moe_gemm_impl<WF, AQ, EPI, MT, NT, SK, false>(W, WS, WS2, A, AS, a_by_token, sorted_pair, offs, tile_expert, \
+                                              tile_row, num_tiles, nullptr, nullptr, 0, 0, bias, out, N, K, I,    \
+                                              topk, kind, alpha, limit);                                          \
   }
 #define MOE_GEMM_INSTANCE(WF, AQ, EPI, MT, NT) \
   MOE_GEMM_KERNEL(moe_gemm_##WF##_##AQ##_##EPI##_##MT##_##NT, WF, AQ, EPI, MT, NT, 1)
 // split-K variants: the name carries SK as a sixth number
 #define MOE_GEMM_INSTANCE_SPLIT(WF, AQ, EPI, MT, NT, SK) \
   MOE_GEMM_KERNEL(moe_gemm_##WF##_##AQ##_##EPI##_##MT##_##NT##_##SK, WF, AQ, EPI, MT, NT, SK)
+// pair tiles (one-token calls, no moe_align): the (1, 1) warp tile, named with its SK and `pairs`
+#define MOE_GEMM_INSTANCE_PAIRS(WF, AQ, EPI, SK)                                                            \
+  extern "C" __global__ void __launch_bounds__(THREADS) moe_gemm_##WF##_##AQ##_##EPI##_1_1_##SK##_pairs(    \
+      const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2,                 \
+      const u8* __restrict__ A, const float* __restrict__ AS, int a_by_token,                              \
+      const long long* __restrict__ ids, const int* __restrict__ local_map, int num_experts, int pairs,     \
+      const float* __restrict__ bias, void* __restrict__ out, int N, int K, int I, int topk, int kind,      \
+      float alpha, float limit) {                                                                           \
+    moe_gemm_impl<WF, AQ, EPI, 1, 1, SK, true>(W, WS, WS2, A, AS, a_by_token, nullptr, nullptr, nullptr,     \
+                                             nullptr, nullptr, ids, local_map, num_experts, pairs, bias,    \
+                                             out, N, K, I, topk, kind, alpha, limit);                       \
+  }

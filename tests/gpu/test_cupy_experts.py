@@ -150,6 +150,46 @@ def test_split_k_decode_kernels_match_vanilla_and_repeat_exactly(cls):
     assert_rel_close(out.cpu(), _reference(cls, real, tensors, hidden, ids, weights), *_tolerance(cls.FORMAT))
 
 
+@pytest.mark.parametrize("activation", ["silu_glu", "swiglu_oai", "relu2"])
+@pytest.mark.parametrize("cls", CUPY_EXPERTS, ids=lambda c: c.FORMAT)
+def test_one_token_pairs_path_gives_the_sorted_paths_bits(cls, activation):
+    """A one-token call plans the pairs path (no moe_align: each routing pair is a tile). On fresh random
+    inputs it gives the sorted kernels' output bit for bit at every split-K factor of the decode tile:
+    on the whole layer, on each expert-parallel and MoE-TP rank (pairs of another rank's experts
+    skipped), and with a dropped slot (id -1); and VANILLA's output within the usual bounds."""
+    h, i = (384, 256) if cls.FORMAT == "fp8_block_scales" else (320, 128)   # MoE-TP halves: 128 and 64
+    bias = activation == "swiglu_oai"
+    spec = MoeShape(h, i, 8, 3, activation, expert_bias=bias)
+    tensors = make_expert_tensors(spec, cls.FORMAT, seed=zlib.crc32(f"pairs{cls.FORMAT}{activation}".encode()) % 1000,
+                                  weight_std=3.0 if bias else 1.0)
+    whole = _module(cls, spec, tensors)
+    assert whole.plan(1, spec.top_k) == ("pairs", K.SPLIT_TILE)
+    ranks = [_module(cls, spec, tensors, ExpertParallel(ep_size=2, ep_rank=r)) for r in range(2)]
+    ranks += [_module(cls, spec, tensors, ExpertParallel(moe_tp_size=2, moe_tp_rank=r)) for r in range(2)]
+    for seed in (3, 4):
+        ids, weights = random_routing(1, spec, seed=100 + seed)
+        if seed == 4:
+            ids[0, 1] = -1      # a dropped slot contributes nothing on either path
+        hidden = random_hidden(1, spec, seed=200 + seed)
+        args = (hidden.cuda(), ids.cuda(), weights.cuda())
+        for module in [whole] + ranks:
+            for sk in (1,) + K.splits(cls.FORMAT, K.SPLIT_TILE):
+                pairs = module(*args, tile=(*K.SPLIT_TILE, sk))
+                sorted_ = module(*args, path="kernels", tile=(*K.SPLIT_TILE, sk))
+                torch.cuda.synchronize()
+                assert not pairs.isnan().any(), (seed, sk)
+                assert torch.equal(pairs.view(torch.int16), sorted_.view(torch.int16)), (seed, sk, module.parallel)
+        expected = _reference(cls, spec, tensors, hidden, ids.clamp(min=0), weights * (ids >= 0))
+        assert_rel_close(whole(*args).cpu(), expected, *_tolerance(cls.FORMAT))
+
+
+def test_the_pairs_path_replays_in_a_cuda_graph():
+    spec = MoeShape(320, 192, 8, 2, "swiglu_oai", expert_bias=True)
+    module = _module(CupyMmaBf16Experts, spec, make_expert_tensors(spec, "bf16", seed=43, weight_std=3.0))
+    assert module.plan(1, spec.top_k)[0] == "pairs"
+    assert_graph_replay_matches_eager(module, spec, 1)
+
+
 @pytest.mark.parametrize("cls", [c for c in CUPY_EXPERTS if "mxfp4" in c.FORMAT], ids=lambda c: c.FORMAT)
 def test_mxfp4_scales_above_two_take_the_second_factor(cls):
     """E8M0 bytes above 128 (scales > 2^1, beyond one bf16 multiplier in the w4a16 kernel) on some
