@@ -409,6 +409,14 @@ def transformers_compiled(hf, ids, refs, experts: str | None = None):
     expert weights, the fastest for small inputs under compilation)."""
     from transformers import StaticCache
 
+    caches = {}
+    with torch.no_grad():
+        # The caches are filled by the model's own experts path: batched_mm's per-token copies of the expert
+        # weights for a 1024-token prompt do not fit (deepseek_v3: 448 GiB asked, this session's run).
+        for batch in BATCHES:
+            caches[batch] = StaticCache(config=hf.config, max_cache_len=CACHED + 64)
+            hf(ids[:batch, :CACHED], past_key_values=caches[batch], use_cache=True,
+               cache_position=torch.arange(CACHED, device="cuda"))
     before = getattr(hf.config, "_experts_implementation", None)
     if experts is not None:
         hf.set_experts_implementation(experts)
@@ -416,10 +424,7 @@ def transformers_compiled(hf, ids, refs, experts: str | None = None):
     compiled = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
     try:
         with torch.no_grad():
-            for batch in BATCHES:
-                cache = StaticCache(config=hf.config, max_cache_len=CACHED + 64)
-                hf(ids[:batch, :CACHED], past_key_values=cache, use_cache=True,
-                   cache_position=torch.arange(CACHED, device="cuda"))
+            for batch, cache in caches.items():
                 step = ids[:batch, CACHED:CACHED + 1].clone()
                 pos = torch.tensor([CACHED], device="cuda")
 
