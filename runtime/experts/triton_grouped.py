@@ -2,7 +2,8 @@
 
 The CUPY GEMMs are mma.sync kernels that stream weights into registers: right for decode, where
 they read weights at up to 4.4 TB/s, but on sm_90 mma.sync runs FP8 as f16 HMMA and bf16 well below
-the wgmma rate. Here, once a call routes enough rows per expert (`TRITON_MIN_ROWS`), both GEMMs run
+the wgmma rate. Here, once a call routes enough rows per expert (`TRITON_MIN_ROWS`, a few rows: from
+64 tokens of a 128-256-expert top-8 layer), both GEMMs run
 as Triton grouped GEMMs (runtime/kernels/triton_grouped.py) over the same CUPY routing, activation
 quantization and combine kernels; smaller calls run the CUPY path unchanged. Same buffers and weight
 layouts as the CUPY class of the format (weights stay packed: FP8 codes and block scales).
@@ -28,9 +29,9 @@ class _TritonGroupedExperts:
     of 64, 128 for fp8_block_scales). Runs on CUDA SM 9.0 only. CUDA-graph capturable (warm it up
     once outside the capture: the first call of each shape compiles the kernels)."""
 
-    # rows per expert (average, uniform routing) from which the Triton GEMMs run: they beat the CUPY
-    # path from 64 rows (Q and D shapes, 2048 and 8192 tokens, BENCHMARKS.md); fewer rows: not measured
-    TRITON_MIN_ROWS = 64
+    # rows per expert (average, uniform routing) from which the Triton GEMMs run; below it the CUPY
+    # decode path. Per format, from bench/moe_layer.py --triton-sweep on an H200 (BENCHMARKS.md).
+    TRITON_MIN_ROWS: float = 64
     # ((BM, BN, BK, warps, stages, GROUP_M) of gemm1, of gemm2): the first whose rows bound >= rows per
     # expert. The fastest of bench/moe_layer.py --triton-sweep on an H200 (2026-12-01, BENCHMARKS.md).
     CONFIGS: tuple = ()
@@ -61,13 +62,13 @@ class _TritonGroupedExperts:
         return self._forward_triton(hidden, topk_ids, topk_weights, tuple(cfg1), tuple(cfg2))
 
     def _forward_triton(self, hidden, topk_ids, topk_weights, cfg1, cfg2):
-        from ..kernels import triton_grouped as T
-
         spec, fp8 = self.spec, self.FORMAT == "fp8_block_scales"
         (tokens, hsize), top_k, device = hidden.shape, topk_ids.shape[1], hidden.device
-        launch = self._launch_inputs(hidden, topk_ids, topk_weights)
+        launch = self._launch_inputs(hidden, topk_ids, topk_weights)   # refuses a CPU or pre-SM-9.0 device first
         if launch is None:
             return torch.zeros_like(hidden)
+        from ..kernels import triton_grouped as T
+
         if fp8 and cfg1[1] != 128:
             raise ValueError(f"{self.IMPL_ID}: gemm1 quantizes the intermediate per 128 channels: BN must be 128")
         kern, stream, poison, x, ids, weights = launch
@@ -99,7 +100,11 @@ class TritonWgmmaBf16Experts(_TritonGroupedExperts, CupyMmaBf16Experts):
     __doc__ = ("TRITON, bf16 weights and activations: Triton grouped GEMMs for prefill, the CUPY kernels "
                "for decode. " + _TritonGroupedExperts.__doc__)
     IMPL_ID = "triton.wgmma.grouped_gemm.bf16"
-    CONFIGS = ((1e9, ((128, 128, 64, 8, 3, 8), (128, 256, 64, 8, 3, 8))),)
+    # From 4 rows (64 tokens of the Q shape: a tie with CUPY; 256 tokens of Q and D, 16 and 8 rows: 8-9 %
+    # faster, 2026-12-01); up to 32 rows a 64-row tile on 4 warps, then the 128-row wgmma tile.
+    TRITON_MIN_ROWS = 4
+    CONFIGS = ((32, ((64, 128, 64, 4, 4, 8), (64, 128, 64, 4, 4, 8))),
+               (1e9, ((128, 128, 64, 8, 3, 8), (128, 256, 64, 8, 3, 8))))
 
 
 class TritonWgmmaFp8BlockScalesExperts(_TritonGroupedExperts, CupyMmaFp8BlockScalesExperts):
@@ -107,5 +112,9 @@ class TritonWgmmaFp8BlockScalesExperts(_TritonGroupedExperts, CupyMmaFp8BlockSca
                "on E4M3 wgmma for prefill (block scales promoted per 128 channels of K), the CUPY kernels "
                "for decode. " + _TritonGroupedExperts.__doc__)
     IMPL_ID = "triton.wgmma.grouped_gemm.fp8_block_scales"
-    CONFIGS = ((1e9, ((64, 128, 128, 8, 3, 8), (64, 128, 128, 4, 4, 8))),)
+    # From 2 rows (64 tokens of the D shape: 6 % faster than CUPY; Q at 256 tokens, 16 rows: 32 % faster,
+    # 2026-12-01); up to 16 rows a 16-row tile (mma.sync, 4 warps), then the 64-row wgmma tile.
+    TRITON_MIN_ROWS = 2
+    CONFIGS = ((16, ((16, 128, 128, 4, 4, 8), (16, 128, 128, 4, 4, 8))),
+               (1e9, ((64, 128, 128, 8, 3, 8), (64, 128, 128, 4, 4, 8))))
 

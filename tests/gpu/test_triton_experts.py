@@ -15,6 +15,7 @@ cross an FP8 rounding boundary). Graph replays: 1e-6; EP and TP splits: 4e-3 / 8
 """
 from __future__ import annotations
 
+import math
 import zlib
 
 import pytest
@@ -92,16 +93,22 @@ REAL_SHAPES = {   # the layers of the SM90 targets, fewer experts
 
 
 @pytest.mark.parametrize("cls", TRITON_EXPERTS, ids=lambda c: c.FORMAT)
-def test_real_layer_shapes_at_prefill_sizes_take_the_triton_path(cls):
+def test_real_layer_shapes_run_the_planned_path_and_tile(cls):
+    """The plan's thresholds at real layer widths: one token short of `TRITON_MIN_ROWS` rows per expert runs
+    the CUPY path, from it each bucket of `CONFIGS` its own tile; every call equals VANILLA."""
     spec = REAL_SHAPES[cls.FORMAT]
     tensors = make_expert_tensors(spec, cls.FORMAT, seed=21)
     module = _module(cls, spec, tensors)
-    tokens = 200
-    assert module.plan(tokens, spec.top_k)[0] == "triton"
-    ids, weights = random_routing(tokens, spec, seed=22)
-    hidden = random_hidden(tokens, spec, seed=23)
-    out = module(hidden.cuda(), ids.cuda(), weights.cuda())
-    assert_rel_close(out.cpu(), _reference(cls.FORMAT, spec, tensors, hidden, ids, weights), *_tolerance(cls.FORMAT))
+    first = math.ceil(cls.TRITON_MIN_ROWS * spec.num_experts / spec.top_k)
+    expected_plans = [(first - 1, None), (first, cls.CONFIGS[0][1]), (200, cls.CONFIGS[-1][1])]
+    for tokens, tile in expected_plans:
+        path, planned = module.plan(tokens, spec.top_k)
+        assert (path == "triton") == (tile is not None) and (tile is None or planned == tile), (tokens, path, planned)
+        ids, weights = random_routing(tokens, spec, seed=22 + tokens)
+        hidden = random_hidden(tokens, spec, seed=23 + tokens)
+        out = module(hidden.cuda(), ids.cuda(), weights.cuda())
+        assert_rel_close(out.cpu(), _reference(cls.FORMAT, spec, tensors, hidden, ids, weights),
+                         *_tolerance(cls.FORMAT))
 
 
 @pytest.mark.parametrize("cls", TRITON_EXPERTS, ids=lambda c: c.FORMAT)
