@@ -1,7 +1,8 @@
 """CUPY experts: the routed MoE op in CUDA kernels compiled through CuPy for Hopper (runtime/kernels).
 
 Per call, with no host synchronization (CUDA-graph capturable):
-  1. `moe_align` counting-sorts the (token, slot) pairs by local expert and lists token tiles;
+  1. `moe_align` counting-sorts the (token, slot) pairs by local expert and lists token tiles (one CTA;
+     calls of more than 2048 pairs: `moe_align_count` and `moe_align_scatter`, a CTA per 2048 pairs);
   2. FP8 formats quantize the token rows once (1x128 groups or per token);
   3. GEMM1 (gate/up) with the activation fused in its epilogue writes the bf16 intermediate;
   4. FP8 formats quantize the intermediate;
@@ -32,6 +33,9 @@ from .base import ExpertParallel, ExpertsBase, MoeShape
 
 _ACT_KIND = {"silu_glu": 0, "swiglu_oai": 1, "relu2": 0}
 _MAX_LOCAL_EXPERTS = 1024   # moe_align: one thread per local expert
+# pairs per CTA of the multi-CTA sort (moe_align_count / _scatter); calls with at most this many pairs
+# (decode) sort in one CTA, one launch
+_ALIGN_CTA_PAIRS = 2048
 
 
 def _p(t: torch.Tensor | None) -> np.uint64:
@@ -81,6 +85,7 @@ class _CupyMmaExperts(ExpertsBase):
                  dtype: torch.dtype = torch.bfloat16):
         super().__init__(spec, parallel, device, dtype)
         self._local_maps: dict = {}
+        self._align_tickets: dict = {}
 
     # --- layout -----------------------------------------------------------------------------------
     @property
@@ -176,11 +181,19 @@ class _CupyMmaExperts(ExpertsBase):
             local = self._local_maps[device] = table.to(device)
         return local
 
+    def _align_ticket(self, device) -> torch.Tensor:
+        """The counter `moe_align_count`'s CTAs take a number from (zero between calls: its last CTA resets it)."""
+        ticket = self._align_tickets.get(device)
+        if ticket is None:
+            ticket = self._align_tickets[device] = torch.zeros(1, dtype=torch.int32, device=device)
+        return ticket
+
     def prepare(self, device=None) -> None:
-        """Compile the kernels and upload the routing table now (before any CUDA-graph capture)."""
+        """Compile the kernels and upload the routing tables now (before any CUDA-graph capture)."""
         device = torch.device(device) if device is not None else self._device()
         self._kernels(device)
         self._local_map(device)
+        self._align_ticket(device)
 
     def plan(self, tokens: int, top_k: int) -> tuple[str, tuple[int, int]]:
         """('pairs' | 'grouped_mm' | 'kernels', warp tile) for a call with `tokens` tokens: a host-side
@@ -307,17 +320,28 @@ class _CupyMmaExperts(ExpertsBase):
         tile_expert, tile_row, num_tiles, pointer to offs[n_local] = the routed rows in all)."""
         device, n_local = ids.device, len(self.expert_ids)
         max_tiles = pairs // bt + min(n_local, pairs)
+        ctas = -(-pairs // _ALIGN_CTA_PAIRS)
         offs = torch.empty(n_local + 1, dtype=torch.int32, device=device)
-        ints = torch.empty(3 * pairs + 2 * max_tiles + 1, dtype=torch.int32, device=device)
+        ints = torch.empty(3 * pairs + 2 * max_tiles + 1 + (ctas * n_local if ctas > 1 else 0), dtype=torch.int32,
+                           device=device)
         sorted_pair, sorted_expert, pair_pos = ints[:pairs], ints[pairs:2 * pairs], ints[2 * pairs:3 * pairs]
         tile_expert = ints[3 * pairs:3 * pairs + max_tiles]
         tile_row = ints[3 * pairs + max_tiles:3 * pairs + 2 * max_tiles]
-        num_tiles = ints[3 * pairs + 2 * max_tiles:]
+        num_tiles = ints[3 * pairs + 2 * max_tiles:3 * pairs + 2 * max_tiles + 1]
         total_ptr = np.uint64(offs.data_ptr() + 4 * n_local)
-        kern.launch("moe_align", (1,), (1024,),
-                    (_p(ids), _p(self._local_map(device)), _i(self.spec.num_experts), _i(pairs), _i(n_local), _i(bt),
-                     _p(offs), _p(sorted_pair), _p(sorted_expert), _p(pair_pos), _p(tile_expert), _p(tile_row),
-                     _p(num_tiles)), stream)
+        routing = (_p(ids), _p(self._local_map(device)), _i(self.spec.num_experts), _i(pairs), _i(n_local))
+        if ctas == 1:
+            kern.launch("moe_align", (1,), (1024,),
+                        routing + (_i(bt), _p(offs), _p(sorted_pair), _p(sorted_expert), _p(pair_pos), _p(tile_expert),
+                                   _p(tile_row), _p(num_tiles)), stream)
+        else:
+            counts = ints[3 * pairs + 2 * max_tiles + 1:]
+            kern.launch("moe_align_count", (ctas,), (1024,),
+                        routing + (_i(bt), _i(_ALIGN_CTA_PAIRS), _p(counts), _p(self._align_ticket(device)), _p(offs),
+                                   _p(tile_expert), _p(tile_row), _p(num_tiles)), stream)
+            kern.launch("moe_align_scatter", (ctas,), (1024,),
+                        routing + (_i(_ALIGN_CTA_PAIRS), _p(counts), _p(sorted_pair), _p(sorted_expert), _p(pair_pos)),
+                        stream)
         return max_tiles, offs, sorted_pair, sorted_expert, pair_pos, tile_expert, tile_row, num_tiles, total_ptr
 
     def _combine(self, kern, stream, y, y_bf16, pair_pos, sorted_expert, weights, tokens, dtype, ids=None,

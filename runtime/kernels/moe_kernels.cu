@@ -218,6 +218,86 @@ extern "C" __global__ void __launch_bounds__(1024) moe_align(
   }
 }
 
+// Prefill-sized calls: the same counting sort over many CTAs of `cta_pairs` pairs each, as one CTA
+// stores its P scattered rows through one SM (142 us at 65k pairs on an H200). CTA b of
+// moe_align_count counts its pairs per local expert into counts[b][El]; the last CTA to
+// finish (a ticket the module keeps at zero between calls) turns the counts into each CTA's first
+// sorted row per expert and writes offs, the tiles and num_tiles as moe_align does. moe_align_scatter
+// then places each CTA's pairs from its rows. Same outputs as moe_align, up to the order of the pairs
+// of one expert (which no consumer depends on).
+extern "C" __global__ void __launch_bounds__(1024) moe_align_count(
+    const long long* __restrict__ ids, const int* __restrict__ local_map, int num_experts, int P, int El,
+    int bt, int cta_pairs, int* __restrict__ counts, unsigned int* __restrict__ ticket, int* __restrict__ offs,
+    int* __restrict__ tile_expert, int* __restrict__ tile_row, int* __restrict__ num_tiles) {
+  __shared__ int hist[1024];
+  __shared__ int warp_sums[32];
+  __shared__ bool last;
+  const int tid = threadIdx.x, cta = blockIdx.x;
+  for (int e = tid; e < El; e += blockDim.x) hist[e] = 0;
+  __syncthreads();
+  for (int p = cta * cta_pairs + tid; p < min(P, (cta + 1) * cta_pairs); p += blockDim.x) {
+    const long long g = ids[p];
+    const int e = (g >= 0 && g < num_experts) ? local_map[g] : -1;
+    if (e >= 0) atomicAdd(&hist[e], 1);
+  }
+  __syncthreads();
+  for (int e = tid; e < El; e += blockDim.x) counts[(size_t)cta * El + e] = hist[e];
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  // the last CTA: one expert per thread (El <= 1024), its count summed over the CTAs, each CTA's
+  // share turned into its first row (relative to the expert's first, then absolute)
+  int cnt = 0;
+  if (tid < El)
+    for (int b = 0; b < (int)gridDim.x; ++b) {
+      const int c = __ldcg(&counts[(size_t)b * El + tid]);
+      counts[(size_t)b * El + tid] = cnt;
+      cnt += c;
+    }
+  int total;
+  const int start = block_exclusive_scan(cnt, warp_sums, total);
+  const int ntile = (cnt + bt - 1) / bt;
+  int ntotal;
+  const int tstart = block_exclusive_scan(ntile, warp_sums, ntotal);
+  if (tid < El) {
+    offs[tid] = start;
+    for (int b = 0; b < (int)gridDim.x; ++b) counts[(size_t)b * El + tid] += start;
+    for (int j = 0; j < ntile; ++j) {
+      tile_expert[tstart + j] = tid;
+      tile_row[tstart + j] = start + j * bt;
+    }
+  }
+  if (tid == 0) {
+    offs[El] = total;
+    num_tiles[0] = ntotal;
+    *ticket = 0u;   // for the next call (stream order: no other CTA of this launch reads it again)
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(1024) moe_align_scatter(
+    const long long* __restrict__ ids, const int* __restrict__ local_map, int num_experts, int P, int El,
+    int cta_pairs, const int* __restrict__ counts, int* __restrict__ sorted_pair,
+    int* __restrict__ sorted_expert, int* __restrict__ pair_pos) {
+  __shared__ int cursor[1024];
+  const int tid = threadIdx.x, cta = blockIdx.x;
+  for (int e = tid; e < El; e += blockDim.x) cursor[e] = counts[(size_t)cta * El + e];
+  __syncthreads();
+  for (int p = cta * cta_pairs + tid; p < min(P, (cta + 1) * cta_pairs); p += blockDim.x) {
+    const long long g = ids[p];
+    const int e = (g >= 0 && g < num_experts) ? local_map[g] : -1;
+    int pos = -1;
+    if (e >= 0) {
+      pos = atomicAdd(&cursor[e], 1);
+      sorted_pair[pos] = p;
+      sorted_expert[pos] = e;
+    }
+    pair_pos[p] = pos;
+  }
+}
+
 // ------------------------------------------------------------------------------------------------
 // FP8 activation quantization (dynamic scales, the formulas of runtime/formats/fp8.py)
 // ------------------------------------------------------------------------------------------------

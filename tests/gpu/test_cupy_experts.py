@@ -350,3 +350,42 @@ def test_nvrtc_compiles_the_kernels_of_one_format():
                             options=K.NVRTC_OPTIONS)
     for name in ("moe_align", "moe_combine", K.gemm_name("w4a16_nvfp4", K.EPI_GATED, (1, 1))):
         assert module.get_function(name).num_regs > 0
+
+
+@pytest.mark.parametrize("tokens, experts, ep_size", [(200, 128, 2), (2600, 128, 2), (2600, 384, 1)])
+def test_moe_align_is_a_counting_sort_by_local_expert(tokens, experts, ep_size):
+    """The routing sort against one written here, with dropped slots and an EP rank's local map: 1600 pairs sort
+    in one CTA (`moe_align`), 20 800 over 11 CTAs of 2048 (`moe_align_count` and `moe_align_scatter`, the last
+    CTA ragged); twice in a row, as the multi-CTA sort's ticket must be back at zero after each call."""
+    spec = MoeShape(64, 64, experts, 8, "silu_glu")
+    module = CupyMmaBf16Experts(spec, ExpertParallel(ep_size=ep_size, ep_rank=ep_size - 1),
+                                device="meta").to_empty(device="cuda")
+    gen = torch.Generator().manual_seed(tokens + experts)
+    n_local = len(module.expert_ids)
+    local_of = torch.full((experts,), -1, dtype=torch.long)
+    local_of[list(module.expert_ids)] = torch.arange(n_local)
+    kern = module._kernels(torch.device("cuda"))
+    for _ in range(2):
+        ids = torch.randint(0, experts, (tokens, 8), generator=gen)
+        ids[torch.rand(ids.shape, generator=gen) < 0.05] = -1
+        pairs, bt = ids.numel(), 16
+        flat = ids.view(-1)
+        local = torch.where(flat >= 0, local_of[flat.clamp(min=0)], -1)
+        counts = torch.bincount(local[local >= 0], minlength=n_local)
+        routed = module._route(kern, torch.cuda.current_stream().cuda_stream, ids.cuda(), pairs, bt)
+        torch.cuda.synchronize()
+        _, offs, sorted_pair, sorted_expert, pair_pos, tile_expert, tile_row, num_tiles, _ = (
+            t.cpu() if isinstance(t, torch.Tensor) else t for t in routed)
+        assert offs.tolist() == [0] + torch.cumsum(counts, 0).tolist()
+        total = int(offs[-1])
+        for e in range(n_local):
+            rows = slice(int(offs[e]), int(offs[e + 1]))
+            assert sorted_pair[rows].sort().values.tolist() == torch.nonzero(local == e).view(-1).tolist(), e
+            assert (sorted_expert[rows] == e).all()
+        mine = local >= 0
+        assert (pair_pos[~mine] == -1).all()
+        assert torch.equal(sorted_pair[pair_pos[mine].long()], torch.nonzero(mine).view(-1).int())
+        assert pair_pos[mine].unique().numel() == total
+        tiles = [(e, int(offs[e]) + j * bt) for e in range(n_local) for j in range(-(-int(counts[e]) // bt))]
+        assert int(num_tiles[0]) == len(tiles)
+        assert list(zip(tile_expert[:len(tiles)].tolist(), tile_row[:len(tiles)].tolist())) == tiles

@@ -100,7 +100,8 @@ def test_real_layer_shapes_run_the_planned_path_and_tile(cls):
     tensors = make_expert_tensors(spec, cls.FORMAT, seed=21)
     module = _module(cls, spec, tensors)
     first = math.ceil(cls.TRITON_MIN_ROWS * spec.num_experts / spec.top_k)
-    expected_plans = [(first - 1, None), (first, cls.CONFIGS[0][1]), (200, cls.CONFIGS[-1][1])]
+    # 1100 tokens: more than 2048 routing pairs, so the multi-CTA routing sort runs too
+    expected_plans = [(first - 1, None), (first, cls.CONFIGS[0][1]), (1100, cls.CONFIGS[-1][1])]
     for tokens, tile in expected_plans:
         path, planned = module.plan(tokens, spec.top_k)
         assert (path == "triton") == (tile is not None) and (tile is None or planned == tile), (tokens, path, planned)
@@ -156,7 +157,7 @@ def test_ep_ranks_and_tp_shards_sum_to_the_whole(cls):
         assert_rel_close(total.cpu(), whole.cpu(), 4e-2 if fp8_tp else 1e-2, 8e-2)
 
 
-@pytest.mark.parametrize("tokens", [64, 300])
+@pytest.mark.parametrize("tokens", [64, 300, 1100])   # 1100 x top-2: the multi-CTA routing sort
 def test_cuda_graph_capture_and_replay(tokens):
     cls = TritonWgmmaFp8BlockScalesExperts
     spec = MoeShape(384, 256, 8, 2, "swiglu_oai", expert_bias=True)
