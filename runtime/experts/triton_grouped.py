@@ -2,8 +2,8 @@
 
 The CUPY GEMMs are mma.sync kernels that stream weights into registers: right for decode, where
 they read weights at up to 4.4 TB/s, but on sm_90 mma.sync runs FP8 as f16 HMMA and bf16 well below
-the wgmma rate. Here, once a call routes enough rows per expert (`TRITON_MIN_ROWS`, a few rows: from
-64 tokens of a 128-256-expert top-8 layer), both GEMMs run
+the wgmma rate. Here, once a call routes enough rows per expert (`TRITON_MIN_ROWS`: 2 for FP8, 4 for
+bf16), both GEMMs run
 as Triton grouped GEMMs (runtime/kernels/triton_grouped.py) over the same CUPY routing, activation
 quantization and combine kernels; smaller calls run the CUPY path unchanged. Same buffers and weight
 layouts as the CUPY class of the format (weights stay packed: FP8 codes and block scales).
@@ -31,15 +31,15 @@ class _TritonGroupedExperts:
 
     # rows per expert (average, uniform routing) from which the Triton GEMMs run; below it the CUPY
     # decode path. Per format, from bench/moe_layer.py --triton-sweep on an H200 (BENCHMARKS.md).
-    TRITON_MIN_ROWS: float = 64
+    TRITON_MIN_ROWS: float
     # ((BM, BN, BK, warps, stages, GROUP_M) of gemm1, of gemm2): the first whose rows bound >= rows per
     # expert. The fastest of bench/moe_layer.py --triton-sweep on an H200 (2026-12-01, BENCHMARKS.md).
-    CONFIGS: tuple = ()
+    CONFIGS: tuple
 
     def plan(self, tokens: int, top_k: int):
-        """('triton', (gemm1 config, gemm2 config)) for prefill-sized calls, else the CUPY plan."""
+        """('triton', (gemm1 config, gemm2 config)) from `TRITON_MIN_ROWS` rows per expert, else the CUPY plan."""
         rows = tokens * top_k / self.spec.num_experts
-        if self.TRITON_MIN_ROWS is not None and rows >= self.TRITON_MIN_ROWS:
+        if rows >= self.TRITON_MIN_ROWS:
             for bound, cfg in self.CONFIGS:
                 if rows <= bound:
                     return "triton", cfg
@@ -100,8 +100,8 @@ class TritonWgmmaBf16Experts(_TritonGroupedExperts, CupyMmaBf16Experts):
     __doc__ = ("TRITON, bf16 weights and activations: Triton grouped GEMMs for prefill, the CUPY kernels "
                "for decode. " + _TritonGroupedExperts.__doc__)
     IMPL_ID = "triton.wgmma.grouped_gemm.bf16"
-    # From 4 rows (64 tokens of the Q shape: a tie with CUPY; 256 tokens of Q and D, 16 and 8 rows: 8-9 %
-    # faster, 2026-12-01); up to 32 rows a 64-row tile on 4 warps, then the 128-row wgmma tile.
+    # From 4 rows (64 tokens of the Q shape: a tie with CUPY; at 256 tokens Q, 16 rows, 8 % faster and D,
+    # 8 rows, 2-9 %: 2026-12-01); up to 32 rows a 64-row tile on 4 warps, then the 128-row wgmma tile.
     TRITON_MIN_ROWS = 4
     CONFIGS = ((32, ((64, 128, 64, 4, 4, 8), (64, 128, 64, 4, 4, 8))),
                (1e9, ((128, 128, 64, 8, 3, 8), (128, 256, 64, 8, 3, 8))))
