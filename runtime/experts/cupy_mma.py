@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from .. import kernels as K
-from ..kernels.layouts import interleave_gate_up, relayout_fp4
 from .base import ExpertParallel, ExpertsBase, MoeShape
+from .cupy_layout import buffer_specs, convert
 
 _ACT_KIND = {"silu_glu": 0, "swiglu_oai": 1, "relu2": 0}
 _MAX_LOCAL_EXPERTS = 1024   # moe_align: one thread per local expert
@@ -103,70 +103,10 @@ class _CupyMmaExperts(ExpertsBase):
         return problems
 
     def _buffer_specs(self):
-        n, h, i = len(self.expert_ids), self.spec.hidden_size, self.inter_size
-        n1 = 2 * i if self.spec.gated else i
-        fmt = self.FORMAT
-        if fmt == "bf16":
-            specs = {"w13": ((n, n1, h), torch.bfloat16), "w2": ((n, h, i), torch.bfloat16)}
-        elif fmt == "fp8_block_scales":
-            planes = 2 if self.spec.gated else 1
-            specs = {"w13": ((n, n1, h), torch.float8_e4m3fn), "w2": ((n, h, i), torch.float8_e4m3fn),
-                     "s13": ((n, planes, i // 128, h // 128), torch.float32),
-                     "s2": ((n, h // 128, i // 128), torch.float32)}
-        elif fmt in ("w4a16_mxfp4", "w4a8_mxfp4_fp8"):
-            specs = {"w13": ((n, n1, h // 2), torch.uint8), "w2": ((n, h, i // 2), torch.uint8),
-                     "s13": ((n, n1, h // 32), torch.uint8), "s2": ((n, h, i // 32), torch.uint8)}
-        else:   # w4a16_nvfp4
-            specs = {"w13": ((n, n1, h // 2), torch.uint8), "w2": ((n, h, i // 2), torch.uint8),
-                     "s13": ((n, n1, h // 16), torch.float8_e4m3fn), "s2": ((n, h, i // 16), torch.float8_e4m3fn),
-                     "g13": ((n, 2 if self.spec.gated else 1), torch.float32), "g2": ((n,), torch.float32)}
-        if self.spec.expert_bias:
-            specs.update(b13=((n, n1), torch.float32), b2=((n, h), torch.float32))
-        return specs
+        return buffer_specs(self.FORMAT, self.spec, len(self.expert_ids), self.inter_size)
 
     def _convert(self, staged, device):
-        gated = self.spec.gated
-
-        def stacked(proj, kind):
-            return torch.stack([staged[e, proj, kind] for e in self.expert_ids])
-
-        def first(kind, prepare=lambda t: t):
-            if gated:
-                return interleave_gate_up(prepare(stacked("gate", kind)), prepare(stacked("up", kind)))
-            return prepare(stacked("up", kind))
-
-        fmt = self.FORMAT
-        new = {}
-        if fmt == "bf16":
-            new["w13"], new["w2"] = first("weight"), stacked("down", "weight")
-        elif fmt == "fp8_block_scales":
-            as_bytes = lambda t: t.view(torch.uint8)   # noqa: E731  (stack/gather on raw bytes)
-            new["w13"] = first("weight", as_bytes).view(torch.float8_e4m3fn)
-            new["w2"] = stacked("down", "weight")
-            if gated:
-                new["s13"] = torch.stack((stacked("gate", "weight_scale_inv"), stacked("up", "weight_scale_inv")), 1)
-            else:
-                new["s13"] = stacked("up", "weight_scale_inv")[:, None]
-            new["s2"] = stacked("down", "weight_scale_inv")
-        else:
-            layout = "e4m3" if fmt == "w4a8_mxfp4_fp8" else "bf16"
-            relaid = lambda t: relayout_fp4(t, layout)   # noqa: E731
-            new["w13"] = first("weight", relaid)
-            new["w2"] = relaid(stacked("down", "weight"))
-            if fmt == "w4a16_nvfp4":
-                as_bytes = lambda t: t.view(torch.uint8)   # noqa: E731
-                new["s13"] = first("weight_scale", as_bytes).view(torch.float8_e4m3fn)
-                new["s2"] = stacked("down", "weight_scale")
-                projs = ("gate", "up") if gated else ("up",)
-                new["g13"] = torch.stack([stacked(p, "weight_scale_2").reshape(-1) for p in projs], 1)
-                new["g2"] = stacked("down", "weight_scale_2").reshape(-1)
-            else:
-                new["s13"] = first("weight_scale")
-                new["s2"] = stacked("down", "weight_scale")
-        if self.spec.expert_bias:
-            new["b13"] = first("bias").float()
-            new["b2"] = stacked("down", "bias").float()
-        return {name: value.contiguous().to(device) for name, value in new.items()}
+        return convert(self.FORMAT, self.spec, self.expert_ids, staged, device)
 
     # --- kernels ----------------------------------------------------------------------------------
     def _kernels(self, device) -> K.Kernels:

@@ -174,7 +174,8 @@ def load(instances, device) -> Kernels:
         kernels = Kernels(module, index, props.multi_processor_count)
         for inst in instances:      # compile (or load) now, never during a CUDA-graph capture
             kernels.fn("moe_gemm_" + "_".join(map(str, inst)))
-        for helper in ("moe_align", "quant_fp8_rows", "gather_rows", "act_rows", "moe_combine", "moe_route"):
+        for helper in ("moe_align", "moe_align_count", "moe_align_scatter", "quant_fp8_rows", "gather_rows", "act_rows",
+                       "moe_combine", "moe_route"):
             kernels.fn(helper)
     _MODULES[key] = kernels
     return kernels
