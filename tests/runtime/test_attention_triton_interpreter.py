@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 
@@ -21,28 +20,11 @@ pytest.importorskip("triton")
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("the interpreter runs with TRITON_INTERPRET=1", allow_module_level=True)
 
-import triton.language as tl  # noqa: E402
-from triton.runtime import interpreter  # noqa: E402
-
 from runtime.kernels import attention_decode, attention_prefill  # noqa: E402
 from runtime.ops.attention_core import eager_attention  # noqa: E402
+from tests.runtime.helpers_triton import bf16_dot  # noqa: E402,F401  (autouse fixture)
 
 TOLERANCE = 1e-2
-
-
-@pytest.fixture(autouse=True)
-def bf16_dot(monkeypatch):
-    """The interpreter (Triton 3.9) multiplies bf16 `tl.dot` operands as their uint16 storage. Upcast them first:
-    exact, and what the GPU's bf16 MMA with fp32 accumulation computes."""
-    dot = interpreter.InterpreterBuilder.create_dot
-
-    def upcast(x):
-        if x.dtype.scalar != tl.bfloat16:
-            return x
-        return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
-                        lambda self, a, b, *rest: dot(self, upcast(a), upcast(b), *rest))
 
 
 def _inputs(seq, q_heads, kv_heads, dim, mode, seed, batch=2, offset=5, sinks_dtype=torch.float32,
