@@ -139,6 +139,40 @@ __device__ __forceinline__ float act_gated(int kind, float g, float u, float alp
 // ------------------------------------------------------------------------------------------------
 // routing: counting sort of (token, slot) pairs by local expert, and the GEMM tile list
 // ------------------------------------------------------------------------------------------------
+// Pair p's local expert (its global id through this rank's map), or -1: a dropped slot or another rank's.
+__device__ __forceinline__ int local_expert(const long long* __restrict__ ids, const int* __restrict__ local_map,
+                                            int num_experts, int p) {
+  const long long g = ids[p];
+  return (g >= 0 && g < num_experts) ? local_map[g] : -1;
+}
+
+// The sort's two passes over pairs first, first + blockDim.x, ... below `end` (first: p0 + the thread's
+// index): count each local expert's pairs into `hist`, then place each pair at the next row `cursor`
+// hands out for its expert.
+__device__ __forceinline__ void align_count(const long long* __restrict__ ids, const int* __restrict__ local_map,
+                                            int num_experts, int first, int end, int* hist) {
+  for (int p = first; p < end; p += blockDim.x) {
+    const int e = local_expert(ids, local_map, num_experts, p);
+    if (e >= 0) atomicAdd(&hist[e], 1);
+  }
+}
+
+__device__ __forceinline__ void align_place(const long long* __restrict__ ids, const int* __restrict__ local_map,
+                                            int num_experts, int first, int end, int* cursor,
+                                            int* __restrict__ sorted_pair, int* __restrict__ sorted_expert,
+                                            int* __restrict__ pair_pos) {
+  for (int p = first; p < end; p += blockDim.x) {
+    const int e = local_expert(ids, local_map, num_experts, p);
+    int pos = -1;
+    if (e >= 0) {
+      pos = atomicAdd(&cursor[e], 1);
+      sorted_pair[pos] = p;
+      sorted_expert[pos] = e;
+    }
+    pair_pos[p] = pos;
+  }
+}
+
 // One CTA of 1024 threads. ids [P] int64 global expert ids; local_map [E] global -> local or -1.
 // Writes offs [El + 1], sorted_pair [P] (pair index by sorted row), sorted_expert [P], pair_pos [P]
 // (sorted row of each pair or -1), tiles (expert, first row) of at most `bt` rows, num_tiles.
@@ -168,6 +202,33 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* warp_sums, int& 
   return base + x - v;
 }
 
+// From each local expert's count `cnt` (thread e holds expert e's; every thread of the CTA calls it, for its
+// two block scans): offs, the tiles of at most `bt` rows and num_tiles. `first_row(start)` runs for each
+// expert's thread with the expert's first sorted row, before its tiles are written.
+template <typename F>
+__device__ __forceinline__ void align_offsets(int cnt, int El, int bt, int* warp_sums, int* __restrict__ offs,
+                                              int* __restrict__ tile_expert, int* __restrict__ tile_row,
+                                              int* __restrict__ num_tiles, F first_row) {
+  const int tid = threadIdx.x;
+  int total;
+  const int start = block_exclusive_scan(cnt, warp_sums, total);
+  const int ntile = (cnt + bt - 1) / bt;
+  int ntotal;
+  const int tstart = block_exclusive_scan(ntile, warp_sums, ntotal);
+  if (tid < El) {
+    offs[tid] = start;
+    first_row(start);
+    for (int j = 0; j < ntile; ++j) {
+      tile_expert[tstart + j] = tid;
+      tile_row[tstart + j] = start + j * bt;
+    }
+  }
+  if (tid == 0) {
+    offs[El] = total;
+    num_tiles[0] = ntotal;
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(1024) moe_align(
     const long long* __restrict__ ids, const int* __restrict__ local_map, int num_experts, int P, int El,
     int bt, int* __restrict__ offs, int* __restrict__ sorted_pair, int* __restrict__ sorted_expert,
@@ -179,43 +240,13 @@ extern "C" __global__ void __launch_bounds__(1024) moe_align(
   const int tid = threadIdx.x;
   for (int e = tid; e < El; e += blockDim.x) hist[e] = 0;
   __syncthreads();
-  for (int p = tid; p < P; p += blockDim.x) {
-    long long g = ids[p];
-    int e = (g >= 0 && g < num_experts) ? local_map[g] : -1;
-    if (e >= 0) atomicAdd(&hist[e], 1);
-  }
+  align_count(ids, local_map, num_experts, tid, P, hist);
   __syncthreads();
   // El <= 1024 (checked on the host): one expert per thread
-  int cnt = tid < El ? hist[tid] : 0;
-  int total;
-  int start = block_exclusive_scan(cnt, warp_sums, total);
-  int ntile = (cnt + bt - 1) / bt;
-  int ntotal;
-  int tstart = block_exclusive_scan(ntile, warp_sums, ntotal);
-  if (tid < El) {
-    offs[tid] = start;
-    cursor[tid] = start;
-    for (int j = 0; j < ntile; ++j) {
-      tile_expert[tstart + j] = tid;
-      tile_row[tstart + j] = start + j * bt;
-    }
-  }
-  if (tid == 0) {
-    offs[El] = total;
-    num_tiles[0] = ntotal;
-  }
+  align_offsets(tid < El ? hist[tid] : 0, El, bt, warp_sums, offs, tile_expert, tile_row, num_tiles,
+                [&](int start) { cursor[tid] = start; });
   __syncthreads();
-  for (int p = tid; p < P; p += blockDim.x) {
-    long long g = ids[p];
-    int e = (g >= 0 && g < num_experts) ? local_map[g] : -1;
-    int pos = -1;
-    if (e >= 0) {
-      pos = atomicAdd(&cursor[e], 1);
-      sorted_pair[pos] = p;
-      sorted_expert[pos] = e;
-    }
-    pair_pos[p] = pos;
-  }
+  align_place(ids, local_map, num_experts, tid, P, cursor, sorted_pair, sorted_expert, pair_pos);
 }
 
 // Prefill-sized calls: the same counting sort over many CTAs of `cta_pairs` pairs each, as one CTA
@@ -235,11 +266,7 @@ extern "C" __global__ void __launch_bounds__(1024) moe_align_count(
   const int tid = threadIdx.x, cta = blockIdx.x;
   for (int e = tid; e < El; e += blockDim.x) hist[e] = 0;
   __syncthreads();
-  for (int p = cta * cta_pairs + tid; p < min(P, (cta + 1) * cta_pairs); p += blockDim.x) {
-    const long long g = ids[p];
-    const int e = (g >= 0 && g < num_experts) ? local_map[g] : -1;
-    if (e >= 0) atomicAdd(&hist[e], 1);
-  }
+  align_count(ids, local_map, num_experts, cta * cta_pairs + tid, min(P, (cta + 1) * cta_pairs), hist);
   __syncthreads();
   for (int e = tid; e < El; e += blockDim.x) counts[(size_t)cta * El + e] = hist[e];
   __threadfence();
@@ -257,24 +284,10 @@ extern "C" __global__ void __launch_bounds__(1024) moe_align_count(
       counts[(size_t)b * El + tid] = cnt;
       cnt += c;
     }
-  int total;
-  const int start = block_exclusive_scan(cnt, warp_sums, total);
-  const int ntile = (cnt + bt - 1) / bt;
-  int ntotal;
-  const int tstart = block_exclusive_scan(ntile, warp_sums, ntotal);
-  if (tid < El) {
-    offs[tid] = start;
+  align_offsets(cnt, El, bt, warp_sums, offs, tile_expert, tile_row, num_tiles, [&](int start) {
     for (int b = 0; b < (int)gridDim.x; ++b) counts[(size_t)b * El + tid] += start;
-    for (int j = 0; j < ntile; ++j) {
-      tile_expert[tstart + j] = tid;
-      tile_row[tstart + j] = start + j * bt;
-    }
-  }
-  if (tid == 0) {
-    offs[El] = total;
-    num_tiles[0] = ntotal;
-    *ticket = 0u;   // for the next call (stream order: no other CTA of this launch reads it again)
-  }
+  });
+  if (tid == 0) *ticket = 0u;   // for the next call (stream order: no other CTA of this launch reads it again)
 }
 
 extern "C" __global__ void __launch_bounds__(1024) moe_align_scatter(
@@ -285,17 +298,8 @@ extern "C" __global__ void __launch_bounds__(1024) moe_align_scatter(
   const int tid = threadIdx.x, cta = blockIdx.x;
   for (int e = tid; e < El; e += blockDim.x) cursor[e] = counts[(size_t)cta * El + e];
   __syncthreads();
-  for (int p = cta * cta_pairs + tid; p < min(P, (cta + 1) * cta_pairs); p += blockDim.x) {
-    const long long g = ids[p];
-    const int e = (g >= 0 && g < num_experts) ? local_map[g] : -1;
-    int pos = -1;
-    if (e >= 0) {
-      pos = atomicAdd(&cursor[e], 1);
-      sorted_pair[pos] = p;
-      sorted_expert[pos] = e;
-    }
-    pair_pos[p] = pos;
-  }
+  align_place(ids, local_map, num_experts, cta * cta_pairs + tid, min(P, (cta + 1) * cta_pairs), cursor,
+              sorted_pair, sorted_expert, pair_pos);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -453,8 +457,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(
       if (pos < 0) continue;
       le = bias ? sorted_expert[pos] : 0;
     } else {
-      const long long ge = ids[p];
-      le = (ge >= 0 && ge < num_experts) ? local_map[ge] : -1;
+      le = local_expert(ids, local_map, num_experts, p);
       if (le < 0) continue;
       pos = p;
     }
@@ -802,8 +805,7 @@ __device__ __forceinline__ void moe_gemm_impl(
     if (SK == 1 && mt0 >= n_tiles16) continue;
     int le, r0, cnt;
     if constexpr (PT) {
-      const long long ge = ids[tile];
-      le = (ge >= 0 && ge < num_experts) ? local_map[ge] : -1;
+      le = local_expert(ids, local_map, num_experts, tile);
       if (le < 0) continue;   // another rank's expert (or a dropped slot): the same for the whole CTA
       r0 = tile;              // the pair's row of h and y
       cnt = 1;
