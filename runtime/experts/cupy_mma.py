@@ -262,12 +262,11 @@ class _CupyMmaExperts(ExpertsBase):
         max_tiles = pairs // bt + min(n_local, pairs)
         ctas = -(-pairs // _ALIGN_CTA_PAIRS)
         offs = torch.empty(n_local + 1, dtype=torch.int32, device=device)
-        ints = torch.empty(3 * pairs + 2 * max_tiles + 1 + (ctas * n_local if ctas > 1 else 0), dtype=torch.int32,
-                           device=device)
-        sorted_pair, sorted_expert, pair_pos = ints[:pairs], ints[pairs:2 * pairs], ints[2 * pairs:3 * pairs]
-        tile_expert = ints[3 * pairs:3 * pairs + max_tiles]
-        tile_row = ints[3 * pairs + max_tiles:3 * pairs + 2 * max_tiles]
-        num_tiles = ints[3 * pairs + 2 * max_tiles:3 * pairs + 2 * max_tiles + 1]
+        # one workspace: sorted_pair, sorted_expert, pair_pos, tile_expert, tile_row, num_tiles and, for the
+        # multi-CTA sort, its per-CTA counts
+        sizes = (pairs, pairs, pairs, max_tiles, max_tiles, 1, ctas * n_local if ctas > 1 else 0)
+        sorted_pair, sorted_expert, pair_pos, tile_expert, tile_row, num_tiles, counts = \
+            torch.empty(sum(sizes), dtype=torch.int32, device=device).split(sizes)
         total_ptr = np.uint64(offs.data_ptr() + 4 * n_local)
         routing = (_p(ids), _p(self._local_map(device)), _i(self.spec.num_experts), _i(pairs), _i(n_local))
         if ctas == 1:
@@ -275,7 +274,6 @@ class _CupyMmaExperts(ExpertsBase):
                         routing + (_i(bt), _p(offs), _p(sorted_pair), _p(sorted_expert), _p(pair_pos), _p(tile_expert),
                                    _p(tile_row), _p(num_tiles)), stream)
         else:
-            counts = ints[3 * pairs + 2 * max_tiles + 1:]
             kern.launch("moe_align_count", (ctas,), (1024,),
                         routing + (_i(bt), _i(_ALIGN_CTA_PAIRS), _p(counts), _p(self._align_ticket(device)), _p(offs),
                                    _p(tile_expert), _p(tile_row), _p(num_tiles)), stream)
