@@ -26,7 +26,8 @@ from runtime.experts.base import MoeShape  # noqa: E402
 from runtime.experts.cupy_layout import convert  # noqa: E402
 from runtime.experts.triton_grouped import _ACT, TritonWgmmaBf16Experts  # noqa: E402
 from runtime.kernels import triton_grouped as T  # noqa: E402
-from tests.runtime.helpers_experts import assert_rel_close, make_expert_tensors, random_hidden, random_routing  # noqa: E402
+from tests.runtime.helpers_experts import (_activation64, assert_rel_close, make_expert_tensors,  # noqa: E402
+                                          random_hidden, random_routing)
 from tests.runtime.helpers_triton import bf16_dot  # noqa: E402,F401  (autouse fixture)
 
 CONFIGS = [cfg for _, cfg in TritonWgmmaBf16Experts.CONFIGS] + [((16, 64, 64, 4, 2), (16, 64, 64, 4, 2))]
@@ -58,16 +59,7 @@ def _oracle(spec, tensors, hidden, ids, sorted_pair):
             out = a @ tensors[e, proj, "weight"].double().T
             return out + tensors[e, proj, "bias"].double() if spec.expert_bias and proj != "down" else out
 
-        up = linear(x, "up")
-        if spec.activation == "silu_glu":
-            gate = linear(x, "gate")
-            h = gate / (1 + torch.exp(-gate)) * up
-        elif spec.activation == "swiglu_oai":
-            gate = torch.clamp(linear(x, "gate"), max=spec.swiglu_limit)
-            up = torch.clamp(up, -spec.swiglu_limit, spec.swiglu_limit)
-            h = (up + 1) * gate / (1 + torch.exp(-spec.swiglu_alpha * gate))
-        else:
-            h = torch.clamp(up, min=0) ** 2
+        h = _activation64(spec, linear(x, "gate") if spec.gated else None, linear(x, "up"))
         rows_h.append(h)
         rows_y.append(h.to(torch.bfloat16).double() @ tensors[e, "down", "weight"].double().T)
     return torch.stack(rows_h), torch.stack(rows_y)
