@@ -100,7 +100,7 @@ class TritonWgmmaBf16Experts(_TritonGroupedExperts, CupyMmaBf16Experts):
     __doc__ = ("TRITON, bf16 weights and activations: Triton grouped GEMMs for prefill, the CUPY kernels "
                "for decode. " + _TritonGroupedExperts.__doc__)
     IMPL_ID = "triton.wgmma.grouped_gemm.bf16"
-    # From 4 rows (64 tokens of the Q shape: a tie with CUPY; at 256 tokens Q, 16 rows, 8 % faster and D,
+    # From 4 rows (64 tokens of the Q shape: a tie with CUPY; at 256 tokens Q, 16 rows, 8 % less time and D,
     # 8 rows, 2-9 %: 2026-12-01); up to 32 rows a 64-row tile on 4 warps, then the 128-row wgmma tile.
     TRITON_MIN_ROWS = 4
     CONFIGS = ((32, ((64, 128, 64, 4, 4, 8), (64, 128, 64, 4, 4, 8))),
@@ -112,7 +112,7 @@ class TritonWgmmaFp8BlockScalesExperts(_TritonGroupedExperts, CupyMmaFp8BlockSca
                "on E4M3 wgmma for prefill (block scales promoted per 128 channels of K), the CUPY kernels "
                "for decode. " + _TritonGroupedExperts.__doc__)
     IMPL_ID = "triton.wgmma.grouped_gemm.fp8_block_scales"
-    # From 2 rows (64 tokens of the D shape: 6 % faster than CUPY; Q at 256 tokens, 16 rows: 32 % faster,
+    # From 2 rows (64 tokens of the D shape: 6 % less time than CUPY; Q at 256 tokens, 16 rows: 32 % less,
     # 2026-12-01); up to 16 rows a 16-row tile (mma.sync, 4 warps), then the 64-row wgmma tile.
     TRITON_MIN_ROWS = 2
     CONFIGS = ((16, ((16, 128, 128, 4, 4, 8), (16, 128, 128, 4, 4, 8))),
