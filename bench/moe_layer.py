@@ -44,7 +44,8 @@ from runtime.experts.base import MoeShape  # noqa: E402
 from runtime.experts.cupy_mma import (CupyMmaBf16Experts, CupyMmaFp8BlockScalesExperts,  # noqa: E402
                                       CupyMmaW4a8Mxfp4Fp8Experts, CupyMmaW4a16Mxfp4Experts,
                                       CupyMmaW4a16Nvfp4Experts)
-from runtime.experts.triton_grouped import TritonWgmmaBf16Experts, TritonWgmmaFp8BlockScalesExperts  # noqa: E402
+from runtime.experts.triton_grouped import (TritonWgmmaBf16Experts, TritonWgmmaFp8BlockScalesExperts,  # noqa: E402
+                                            TritonWgmmaW4a16Mxfp4Experts)
 
 SHAPES = {   # hidden, moe_intermediate, experts, top_k
     "Q": (2048, 768, 128, 8), "D": (7168, 2048, 256, 8), "G": (2880, 2880, 128, 4), "tiny": (256, 64, 8, 2)}
@@ -53,7 +54,8 @@ CUPY_CLASSES = {"bf16": CupyMmaBf16Experts, "fp8_block_scales": CupyMmaFp8BlockS
                 "w4a16_mxfp4": CupyMmaW4a16Mxfp4Experts, "w4a16_nvfp4": CupyMmaW4a16Nvfp4Experts,
                 "w4a8_mxfp4_fp8": CupyMmaW4a8Mxfp4Fp8Experts}
 # --impl triton: the TRITON classes where one exists (they run the CUPY path for small calls)
-TRITON_CLASSES = {"bf16": TritonWgmmaBf16Experts, "fp8_block_scales": TritonWgmmaFp8BlockScalesExperts}
+TRITON_CLASSES = {"bf16": TritonWgmmaBf16Experts, "fp8_block_scales": TritonWgmmaFp8BlockScalesExperts,
+                  "w4a16_mxfp4": TritonWgmmaW4a16Mxfp4Experts}
 CLASSES = dict(CUPY_CLASSES)
 # vLLM's Triton fused MoE on an H200, uniform routing, microseconds, same timing method
 # (../shared/research/peer_vllm_triton_h200.md, measured 2026-12-01): R_peer is read against these.
@@ -85,6 +87,16 @@ TRITON_SWEEP = {
         ((16, 128, 64, 4, 4, 8), (16, 128, 64, 4, 4, 8)),
         ((32, 128, 64, 4, 4, 8), (32, 128, 64, 4, 4, 8)),
         ((64, 128, 64, 4, 4, 8), (64, 128, 64, 4, 4, 8)),
+    ],
+    # FP4 words decoded in registers as the dot's first operand: GEMM1 with BN 128 (256 weight rows) spills
+    # 288-304 bytes offline (Triton 3.6, sm_90a), so its blocks are 64 channels (128 rows) except the last
+    "w4a16_mxfp4": [
+        ((128, 64, 64, 8, 3, 8), (128, 128, 64, 8, 3, 8)),
+        ((128, 64, 64, 8, 4, 8), (128, 128, 64, 8, 4, 8)),
+        ((128, 64, 64, 8, 3, 8), (128, 64, 64, 8, 3, 8)),
+        ((64, 64, 64, 4, 3, 8), (64, 128, 64, 4, 3, 8)),
+        ((128, 64, 32, 8, 4, 8), (128, 128, 32, 8, 4, 8)),
+        ((128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 3, 8)),
     ],
 }
 BYTES_PER_PARAM = {"bf16": 2.0, "fp8_block_scales": 1 + 4 / 128 ** 2, "w4a16_mxfp4": 0.5 + 1 / 32,

@@ -12,15 +12,20 @@ bf16 rounding of the intermediate and, for FP8, its 1x128 quantization (the outp
 128-channel group) in the epilogue. `gemm2`: down projection into bf16 rows in sorted order, for
 the CUPY `moe_combine`. FP8: one 128x128 weight block scale and one 1x128 activation scale per
 K-block, promoted into the fp32 accumulator after each block's product (as DeepSeek's recipe does).
+MXFP4 (W4): the packed words (runtime/kernels/layouts.BF16_WORD bit layout, 8 elements a word) come through
+TMA and are decoded with their E8M0 scales into an exact bf16 block in registers, the dot's first operand
+(wgmma reads it from registers; the accumulator is transposed once after the K loop); activations stay bf16.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 ACT_SILU_GLU, ACT_SWIGLU_OAI, ACT_RELU2 = 0, 1, 2
 _SCALE_BLOCK = tl.constexpr(128)
+_TWO_126 = tl.constexpr(2.0 ** 126)
 
 
 @triton.jit
@@ -47,9 +52,38 @@ def _program(pid, max_tiles, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _fp4_pair(p, f):
+    """The two bf16 weights of a bf16x2 pair `p` holding E2M1 values * 2^-126, times the scale `f`: back to the
+    E2M1 value first (exact), as 2^126 * 2^(s - 127) in one factor would overflow fp32 for scale bytes above 128."""
+    lo = (p << 16).to(tl.float32, bitcast=True) * _TWO_126
+    hi = (p & 0xFFFF0000).to(tl.float32, bitcast=True) * _TWO_126
+    return (lo * f).to(tl.bfloat16), (hi * f).to(tl.bfloat16)
+
+
+@triton.jit
+def _mxfp4_block(w_desc, ws_ptr, w_row0, wrows, k0, K, BK: tl.constexpr):
+    """bf16 weights [rows, BK] of the global weight rows `wrows` (from descriptor row w_row0), K from k0, decoded
+    from packed FP4 words (layouts.BF16_WORD, as moe_kernels.cu's fp4_to_bf16x8 does) and their E8M0 scales."""
+    x = w_desc.load([w_row0, k0 // 8]).to(tl.uint32, bitcast=True)          # [rows, BK / 8] words
+    word = k0 // 8 + tl.arange(0, BK // 8)
+    s = tl.load(ws_ptr + wrows.to(tl.int64)[:, None] * (K // 32) + (word // 4)[None, :]).to(tl.uint32)
+    # 2^(s - 127); byte 0 is 2^-127, an fp32 subnormal
+    f = tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
+    mag, sgn = 0x01C001C0, 0x80008000
+    e0, e1 = _fp4_pair(x & (mag | sgn), f)
+    e2, e3 = _fp4_pair(((x >> 3) & mag) | ((x << 15) & sgn), f)
+    e4, e5 = _fp4_pair(((x >> 6) & mag) | ((x << 14) & sgn), f)
+    e6, e7 = _fp4_pair(((x << 3) & mag) | ((x << 13) & sgn), f)
+    # element 8w + i of the block is e_i of word w
+    evens = tl.interleave(tl.interleave(e0, e4), tl.interleave(e2, e6))
+    odds = tl.interleave(tl.interleave(e1, e5), tl.interleave(e3, e7))
+    return tl.interleave(evens, odds)
+
+
+@triton.jit
 def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr,
           num_tiles_ptr, h_ptr, hs_ptr, H, INTER, TOP_K, max_tiles, alpha, limit,
-          FP8: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+          FP8: tl.constexpr, W4: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
     # one dot over BNW consecutive w13 rows: gate and up interleaved in blocks of 8
     # (runtime/kernels/layouts.interleave_gate_up), split in the epilogue
@@ -76,16 +110,26 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, ti
     # s13 [n, planes, I/128, H/128]: plane 0 gate (or up when not gated), plane 1 up
     sw_ptrs = ws_ptr + ((e * PLANES + plane) * ib_count + chan // _SCALE_BLOCK) * kb_count
     xs_ptrs = xs_ptr + tok * kb_count
-    acc = tl.zeros([BM, BNW], dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        a = tl.load(a_ptrs)
-        b = w_desc.load([w_row0, k0])
-        if FP8:
-            kblk = k0 // _SCALE_BLOCK
-            acc += tl.dot(a, b.T) * (tl.load(xs_ptrs + kblk)[:, None] * tl.load(sw_ptrs + kblk)[None, :])
-        else:
-            acc = tl.dot(a, b.T, acc)
-        a_ptrs += BK
+    if W4:
+        # the decoded weights are the dot's first operand (wgmma reads it from registers) and the
+        # accumulator is transposed once after the loop
+        acc_t = tl.zeros([BNW, BM], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            a = tl.load(a_ptrs)
+            acc_t = tl.dot(_mxfp4_block(w_desc, ws_ptr, w_row0, e * n1 + wrow, k0, H, BK), a.T, acc_t)
+            a_ptrs += BK
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros([BM, BNW], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            a = tl.load(a_ptrs)
+            b = w_desc.load([w_row0, k0])
+            if FP8:
+                kblk = k0 // _SCALE_BLOCK
+                acc += tl.dot(a, b.T) * (tl.load(xs_ptrs + kblk)[:, None] * tl.load(sw_ptrs + kblk)[None, :])
+            else:
+                acc = tl.dot(a, b.T, acc)
+            a_ptrs += BK
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e * n1 + wrow)[None, :]
     if GATED:
@@ -122,8 +166,8 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, ti
 
 @triton.jit
 def gemm2(h_desc, hs_ptr, w_desc, ws_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, y_ptr,
-          H, INTER, max_tiles, FP8: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-          GROUP_M: tl.constexpr):
+          H, INTER, max_tiles, FP8: tl.constexpr, W4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+          BK: tl.constexpr, GROUP_M: tl.constexpr):
     pid_m, pid_n = _program(tl.program_id(0), max_tiles, tl.cdiv(H, BN), GROUP_M)
     if pid_m >= tl.load(num_tiles_ptr):
         return
@@ -137,15 +181,24 @@ def gemm2(h_desc, hs_ptr, w_desc, ws_ptr, offs_ptr, tile_expert_ptr, tile_row_pt
     # s2 [n, H/128, I/128]
     sb_ptrs = ws_ptr + (e * (H // _SCALE_BLOCK) + tl.minimum(cols, H - 1) // _SCALE_BLOCK) * kb_count
     sa_ptrs = hs_ptr + rows.to(tl.int64) * kb_count
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, INTER, BK):
-        a = h_desc.load([row0, k0])
-        b = w_desc.load([w_row0, k0])
-        if FP8:
-            kblk = k0 // _SCALE_BLOCK
-            acc += tl.dot(a, b.T) * (tl.load(sa_ptrs + kblk)[:, None] * tl.load(sb_ptrs + kblk)[None, :])
-        else:
-            acc = tl.dot(a, b.T, acc)
+    if W4:
+        # as in gemm1: the decoded weights as the dot's first operand, the accumulator transposed after
+        wrows = e * H + tl.minimum(cols, H - 1)
+        acc_t = tl.zeros([BN, BM], dtype=tl.float32)
+        for k0 in range(0, INTER, BK):
+            a = h_desc.load([row0, k0])
+            acc_t = tl.dot(_mxfp4_block(w_desc, ws_ptr, w_row0, wrows, k0, INTER, BK), a.T, acc_t)
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, INTER, BK):
+            a = h_desc.load([row0, k0])
+            b = w_desc.load([w_row0, k0])
+            if FP8:
+                kblk = k0 // _SCALE_BLOCK
+                acc += tl.dot(a, b.T) * (tl.load(sa_ptrs + kblk)[:, None] * tl.load(sb_ptrs + kblk)[None, :])
+            else:
+                acc = tl.dot(a, b.T, acc)
     out = y_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :]
     tl.store(out, acc.to(tl.bfloat16), mask=rmask[:, None] & (cols < H)[None, :])
 
@@ -154,29 +207,40 @@ def _desc(t2d, block):
     return TensorDescriptor.from_tensor(t2d, list(block))
 
 
+def _weight_desc(w, fmt, rows, bk):
+    """TMA descriptor of a weight tensor [n, N, K] (MXFP4: [n, N, K / 2] bytes, read as 32-bit words) by blocks
+    of `rows` x `bk` weights."""
+    if fmt == "w4a16_mxfp4":
+        return _desc(w.view(torch.int32).reshape(-1, w.shape[-1] // 4), (rows, bk // 8))
+    return _desc(w.reshape(-1, w.shape[-1]), (rows, bk))
+
+
 def launch_gemm1(x, xs, w, ws, bias, sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs, *, hidden,
-                 inter, top_k, max_tiles, alpha, limit, fp8, gated, act, cfg):
-    """GEMM1 over w13 [n, N1, H] (gate/up interleaved); cfg = (BM, BN of h, BK, warps, stages[, GROUP_M])."""
+                 inter, top_k, max_tiles, alpha, limit, fmt, gated, act, cfg):
+    """GEMM1 over w13 [n, N1, H] (gate/up interleaved) of weight format `fmt` (bf16, fp8_block_scales or
+    w4a16_mxfp4; ws: its block scales); cfg = (BM, BN of h, BK, warps, stages[, GROUP_M])."""
     bm, bn, bk, warps, stages, group_m = (*cfg, 0)[:6]
+    fp8 = fmt == "fp8_block_scales"
     if fp8 and (bn != 128 or bk != 128):
         raise ValueError(f"FP8 gemm1 needs BN = BK = 128 (one activation group, one weight block), got {cfg}")
     bnw = 2 * bn if gated else bn
-    w_desc = _desc(w.reshape(-1, w.shape[-1]), (bnw, bk))
     grid = (max_tiles * triton.cdiv(inter, bn),)
     dummy = offs   # unused pointer arguments of a variant (never read)
-    gemm1[grid](x, xs if fp8 else dummy, w_desc, ws if fp8 else dummy, bias if bias is not None else dummy,
-                sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs if fp8 else dummy,
-                hidden, inter, top_k, max_tiles, alpha, limit,
-                FP8=fp8, GATED=gated, ACT=act, HAS_BIAS=bias is not None, BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
-                num_warps=warps, num_stages=stages)
+    gemm1[grid](x, xs if fp8 else dummy, _weight_desc(w, fmt, bnw, bk), dummy if ws is None else ws,
+                bias if bias is not None else dummy, sorted_pair, offs, tile_expert, tile_row, num_tiles, h,
+                hs if fp8 else dummy, hidden, inter, top_k, max_tiles, alpha, limit,
+                FP8=fp8, W4=fmt == "w4a16_mxfp4", GATED=gated, ACT=act, HAS_BIAS=bias is not None, BM=bm, BN=bn,
+                BK=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages)
 
 
-def launch_gemm2(h, hs, w, ws, offs, tile_expert, tile_row, num_tiles, y, *, hidden, inter, max_tiles, fp8, cfg):
-    """GEMM2 over w2 [n, H, I] into bf16 rows y [pairs, H]; cfg = (BM, BN, BK, warps, stages[, GROUP_M])."""
+def launch_gemm2(h, hs, w, ws, offs, tile_expert, tile_row, num_tiles, y, *, hidden, inter, max_tiles, fmt, cfg):
+    """GEMM2 over w2 [n, H, I] of weight format `fmt` into bf16 rows y [pairs, H] (ws: its block scales);
+    cfg = (BM, BN, BK, warps, stages[, GROUP_M])."""
     bm, bn, bk, warps, stages, group_m = (*cfg, 0)[:6]
+    fp8 = fmt == "fp8_block_scales"
     if fp8 and bk != 128:
         raise ValueError(f"FP8 gemm2 needs BK = 128 (one weight block), got {cfg}")
     grid = (max_tiles * triton.cdiv(hidden, bn),)
-    gemm2[grid](_desc(h, (bm, bk)), hs if fp8 else offs, _desc(w.reshape(-1, w.shape[-1]), (bn, bk)),
-                ws if fp8 else offs, offs, tile_expert, tile_row, num_tiles, y, hidden, inter, max_tiles,
-                FP8=fp8, BM=bm, BN=bn, BK=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages)
+    gemm2[grid](_desc(h, (bm, bk)), hs if fp8 else offs, _weight_desc(w, fmt, bn, bk), offs if ws is None else ws,
+                offs, tile_expert, tile_row, num_tiles, y, hidden, inter, max_tiles, FP8=fp8,
+                W4=fmt == "w4a16_mxfp4", BM=bm, BN=bn, BK=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages)

@@ -33,7 +33,7 @@ pytest.importorskip("triton")
 TRITON_EXPERTS = registry_classes("TRITON")
 VANILLA = {cls.FORMAT: cls for cls in registry_classes("VANILLA")}
 # (hidden, intermediate): multiples of the K-blocks, not of the 128-wide output blocks (bf16)
-SHAPES = {"bf16": (320, 192), "fp8_block_scales": (384, 256)}
+SHAPES = {"bf16": (320, 192), "fp8_block_scales": (384, 256), "w4a16_mxfp4": (320, 192)}
 
 
 def _tolerance(fmt):
@@ -89,6 +89,7 @@ def test_triton_path_matches_vanilla(cls, activation):
 REAL_SHAPES = {   # the layers of the SM90 targets, fewer experts
     "bf16": MoeShape(2048, 768, 16, 8, "silu_glu"),
     "fp8_block_scales": MoeShape(7168, 2048, 4, 2, "silu_glu"),
+    "w4a16_mxfp4": MoeShape(2880, 2880, 4, 2, "swiglu_oai", expert_bias=True),
 }
 
 

@@ -40,6 +40,7 @@ w4a8_mxfp4_mxfp8, w4a8_mxfp4_fp8 come first, but on sm_100 only VANILLA runs the
        runs on sm_100: unverified (never run on that SM)
        also eligible: none
        turned down:   cupy.mma.grouped_gemm.w4a16_mxfp4: SM_UNSUPPORTED (sm_100 is not among sm_90)
+                      triton.wgmma.grouped_gemm.w4a16_mxfp4: SM_UNSUPPORTED (sm_100 is not among sm_90)
                       torch.eager.loop.w4a16_mxfp4: NOT_HONORED (the target honors only torch.grouped_mm.grouped_gemm.w4a16_mxfp4)
   dense layers 0: no MoE
   draft layers: not selected (no speculative_config.mode; this model's drafts serve draft_target, dspark)
@@ -72,7 +73,7 @@ def test_explain_json_for_kimi_k3_on_sm_100_carries_the_same_facts(capsys):
 def test_explain_says_an_implementation_ran_on_the_sm_where_its_tests_passed(capsys):
     code, out, _ = explain(capsys, "--model", "gpt_oss_120b", "--sm", "90")
     assert code == 0
-    assert ("    -> cupy.mma.grouped_gemm.w4a16_mxfp4  CUPY, preferred\n"
+    assert ("    -> triton.wgmma.grouped_gemm.w4a16_mxfp4  TRITON, preferred\n"
             "       weights: kept quantized, decoded in registers by the GEMM kernel\n"
             "       runs on sm_90: verified (tests passed there)\n") in out
 
@@ -222,6 +223,7 @@ def test_an_invalid_layout_or_an_unknown_model_exits_2(capsys):
     assert err == (
         "error: moe_config.backend 'AUTO' found no implementation for routed layers 1-92 (format w4a16_mxfp4 on sm_100): "
         "cupy.mma.grouped_gemm.w4a16_mxfp4: SM_UNSUPPORTED (sm_100 is not among sm_90); "
+        "triton.wgmma.grouped_gemm.w4a16_mxfp4: SM_UNSUPPORTED (sm_100 is not among sm_90); "
         "torch.grouped_mm.grouped_gemm.w4a16_mxfp4: TOPOLOGY_UNSUPPORTED (intermediate size 2048 does not split over "
         "moetp3); torch.eager.loop.w4a16_mxfp4: TOPOLOGY_UNSUPPORTED (intermediate size 2048 does not split over "
         "moetp3) (RULES LR4)\n"

@@ -258,8 +258,9 @@ def test_no_implementation_of_the_project_claims_a_gpu_it_has_not_run_on():
         "torch.grouped_mm.grouped_gemm.bf16", "torch.grouped_mm.grouped_gemm.fp8_block_scales",
         # the packed 4-bit forward: tests/gpu/test_packed_experts_memory.py and test_experts_torch_gpu.py on an H200
         "torch.grouped_mm.grouped_gemm.w4a16_mxfp4", "torch.grouped_mm.grouped_gemm.w4a16_nvfp4",
-        # tests/gpu/test_triton_experts.py on an H200 (BENCHMARKS.md, 2026-12-01)
+        # tests/gpu/test_triton_experts.py on an H200 (BENCHMARKS.md, 2026-12-01; MXFP4 2026-12-02)
         "triton.wgmma.grouped_gemm.bf16", "triton.wgmma.grouped_gemm.fp8_block_scales",
+        "triton.wgmma.grouped_gemm.w4a16_mxfp4",
     ]
     packed = {str(i.id): i.weights for i in registry.impls if i.format in ("w4a16_mxfp4", "w4a16_nvfp4")}
     assert packed == {
@@ -267,6 +268,7 @@ def test_no_implementation_of_the_project_claims_a_gpu_it_has_not_run_on():
         "torch.grouped_mm.grouped_gemm.w4a16_mxfp4": "per_expert_group",
         "torch.grouped_mm.grouped_gemm.w4a16_nvfp4": "per_expert_group",
         "torch.eager.loop.w4a16_mxfp4": "per_expert", "torch.eager.loop.w4a16_nvfp4": "per_expert",
+        "triton.wgmma.grouped_gemm.w4a16_mxfp4": "in_kernel",
     }
 
 

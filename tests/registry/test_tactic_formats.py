@@ -42,13 +42,15 @@ def test_the_fn3_check_on_the_project_registry_suggests_the_narrowest_pin_per_ba
     # RULES FN3 (scenario gpt_oss_120b)
     gpt_oss = project_models()["gpt_oss_120b"].facts()
     assert refused(gpt_oss, Selection(tactic="w4a16_mxfp4"), 90) == (
-        "moe_config.tactic 'w4a16_mxfp4' names implementations of 3 backends for w4a16_mxfp4 (routed layers 0-35 "
-        "(checkpoint quant_algo MXFP4)): CUPY, TORCH, VANILLA; pin one backend: 'cupy.w4a16_mxfp4' (CUPY), "
-        "'grouped_mm.w4a16_mxfp4' (TORCH), 'eager.w4a16_mxfp4' (VANILLA) (RULES FN3)"
+        "moe_config.tactic 'w4a16_mxfp4' names implementations of 4 backends for w4a16_mxfp4 (routed layers 0-35 "
+        "(checkpoint quant_algo MXFP4)): CUPY, TORCH, TRITON, VANILLA; pin one backend: 'cupy.w4a16_mxfp4' (CUPY), "
+        "'grouped_mm.w4a16_mxfp4' (TORCH), 'triton.w4a16_mxfp4' (TRITON), 'eager.w4a16_mxfp4' (VANILLA) (RULES FN3)"
     )
     # each suggested pin is accepted
     for pin, winner in (("cupy.w4a16_mxfp4", "cupy.mma.grouped_gemm.w4a16_mxfp4"),
-                        ("grouped_mm.w4a16_mxfp4", "torch.grouped_mm.grouped_gemm.w4a16_mxfp4"), ("eager.w4a16_mxfp4", "torch.eager.loop.w4a16_mxfp4")):
+                        ("grouped_mm.w4a16_mxfp4", "torch.grouped_mm.grouped_gemm.w4a16_mxfp4"),
+                        ("triton.w4a16_mxfp4", "triton.wgmma.grouped_gemm.w4a16_mxfp4"),
+                        ("eager.w4a16_mxfp4", "torch.eager.loop.w4a16_mxfp4")):
         assert resolve_model(gpt_oss, Selection(tactic=pin), sm=90).reports[0].winner == winner
 
 
@@ -72,6 +74,7 @@ def test_under_dynamic_eplb_fn3_counts_only_implementations_that_consume_plans()
     assert (report.winner, report.selected_by) == ("torch.grouped_mm.grouped_gemm.w4a16_mxfp4", "pinned")
     assert [r.describe() for r in report.rejections] == [
         "cupy.mma.grouped_gemm.w4a16_mxfp4: EPLB_UNSUPPORTED (does not consume per-layer dynamic EPLB plans)",
+        "triton.wgmma.grouped_gemm.w4a16_mxfp4: EPLB_UNSUPPORTED (does not consume per-layer dynamic EPLB plans)",
         "torch.eager.loop.w4a16_mxfp4: EPLB_UNSUPPORTED (does not consume per-layer dynamic EPLB plans)",
     ]
 

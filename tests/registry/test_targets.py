@@ -259,6 +259,7 @@ def test_auto_binds_the_first_eligible_honored_candidate():
     assert resolution.claimed and report.winner == KIMI_ID
     assert [r.describe() for r in report.rejections] == [
         "cupy.mma.grouped_gemm.w4a16_mxfp4: SM_UNSUPPORTED (sm_100 is not among sm_90)",
+        "triton.wgmma.grouped_gemm.w4a16_mxfp4: SM_UNSUPPORTED (sm_100 is not among sm_90)",
         "torch.eager.loop.w4a16_mxfp4: NOT_HONORED (the target honors only torch.grouped_mm.grouped_gemm.w4a16_mxfp4)",
     ]
 

@@ -38,3 +38,25 @@ def test_every_pair_kernel_a_plan_can_name_is_instantiated(fmt):
         for sk in (1,) + K.splits(fmt, K.SPLIT_TILE):
             assert K.gemm_name(fmt, epi, (*K.SPLIT_TILE, sk), pairs=True) in names, (epi, sk)
         assert K.gemm_name(fmt, epi, K.SPLIT_TILE, pairs=True) in names, epi
+
+
+TRITON = [load_class(i.class_path) for i in load_registry().impls if i.backend == "TRITON"]
+
+
+@pytest.mark.parametrize("cls", TRITON, ids=lambda c: c.IMPL_ID)
+def test_triton_plans_its_tiles_from_min_rows_and_the_cupy_plan_below(cls):
+    """Below TRITON_MIN_ROWS rows per expert the CUPY class's plan; from it the first CONFIGS bucket whose bound
+    holds the rows; both GEMMs of a bucket walk the same token tiles and K-blocks that divide the class's unit."""
+    module = _module(cls)
+    cupy = next(base for base in cls.__mro__ if base.__name__.startswith("CupyMma"))
+    first = -(-cls.TRITON_MIN_ROWS * 128 // 8)   # tokens of 128 experts, top-8
+    assert module.plan(first - 1, 8) == cupy.plan(module, first - 1, 8)
+    bounds = [bound for bound, _ in cls.CONFIGS]
+    assert bounds == sorted(bounds) and bounds[-1] >= 1e9
+    for tokens in (first, 2048, 8192):
+        rows = tokens * 8 / 128
+        expected = next(cfg for bound, cfg in cls.CONFIGS if rows <= bound)
+        assert module.plan(tokens, 8) == ("triton", expected), tokens
+    for cfg1, cfg2 in (cfg for _, cfg in cls.CONFIGS):
+        assert cfg1[0] == cfg2[0]
+        assert module._unit % cfg1[2] == 0 and module._unit % cfg2[2] == 0, (cfg1, cfg2)

@@ -1,15 +1,16 @@
-"""The TRITON experts' bf16 grouped GEMMs (runtime/kernels/triton_grouped.py) in Triton's CPU interpreter against
-a float64 oracle, with every tile configuration the bf16 class plans with and a small one.
+"""The TRITON experts' bf16 and MXFP4 grouped GEMMs (runtime/kernels/triton_grouped.py) in Triton's CPU interpreter
+against a float64 oracle, with every tile configuration the classes plan with and a small one.
 
 Runs only with Triton installed and `TRITON_INTERPRET=1` (e.g. `PYTHONPATH=/path/to/triton TRITON_INTERPRET=1
 python -m pytest tests/runtime/test_triton_grouped_interpreter.py`); on the GPU, tests/gpu/test_triton_experts.py
 runs the whole op. The weights are the checkpoint's, laid out by the product's own loader code
-(`cupy_layout.convert`: gate/up interleaved per 8 rows); the routing arrays are those `moe_align` documents
+(`cupy_layout.convert`: gate/up interleaved per 8 rows, FP4 bits re-laid); the routing arrays are those `moe_align` documents
 (pairs stably sorted by expert, tiles of at most BM rows), built here in torch since moe_align is a CUDA kernel.
 Judged per routed pair: GEMM1's bf16 intermediate against the float64 activation of the float64 products (one
 bf16 rounding, which the interpreter truncates rather than rounds), GEMM2's bf16 rows against the float64
 product of that intermediate. Sizes are multiples of the K-blocks but not of the output blocks (partial tiles),
-with hot experts and experts that get no rows. FP8 is not covered: the interpreter has no E4M3 dot.
+with hot experts and experts that get no rows. The MXFP4 weights are decoded in the kernels; the oracle takes them
+straight from codes and scales in float64. FP8 is not covered: the interpreter has no E4M3 dot.
 """
 from __future__ import annotations
 
@@ -24,13 +25,16 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from runtime.experts.base import MoeShape  # noqa: E402
 from runtime.experts.cupy_layout import convert  # noqa: E402
-from runtime.experts.triton_grouped import _ACT, TritonWgmmaBf16Experts  # noqa: E402
+from runtime.experts.triton_grouped import (_ACT, TritonWgmmaBf16Experts,  # noqa: E402
+                                            TritonWgmmaW4a16Mxfp4Experts)
 from runtime.kernels import triton_grouped as T  # noqa: E402
-from tests.runtime.helpers_experts import (_activation64, assert_rel_close, make_expert_tensors,  # noqa: E402
-                                          random_hidden, random_routing)
+from tests.runtime.helpers_experts import (_activation64, assert_rel_close, dequantize64,  # noqa: E402
+                                          make_expert_tensors, random_hidden, random_routing)
 from tests.runtime.helpers_triton import bf16_dot  # noqa: E402,F401  (autouse fixture)
 
-CONFIGS = [cfg for _, cfg in TritonWgmmaBf16Experts.CONFIGS] + [((16, 64, 64, 4, 2), (16, 64, 64, 4, 2))]
+SMALL = ((16, 64, 64, 4, 2), (16, 64, 64, 4, 2))
+CASES = ([("bf16", cfg) for _, cfg in TritonWgmmaBf16Experts.CONFIGS] + [("bf16", SMALL)]
+         + [("w4a16_mxfp4", cfg) for _, cfg in TritonWgmmaW4a16Mxfp4Experts.CONFIGS] + [("w4a16_mxfp4", SMALL)])
 
 
 def _routing(ids: torch.Tensor, experts: int, bm: int):
@@ -48,46 +52,47 @@ def _routing(ids: torch.Tensor, experts: int, bm: int):
     return sorted_pair, offs, tile_expert, tile_row, torch.tensor([len(tiles)], dtype=torch.int32), max_tiles
 
 
-def _oracle(spec, tensors, hidden, ids, sorted_pair):
+def _oracle(spec, fmt, tensors, hidden, ids, sorted_pair):
     """float64 intermediate and down rows of every routed pair, in sorted order."""
+    weights = dequantize64(tensors, spec, fmt)
     rows_h, rows_y = [], []
     for p in sorted_pair.tolist():
         t, e = p // spec.top_k, int(ids.reshape(-1)[p])
         x = hidden[t].double()
 
         def linear(a, proj):
-            out = a @ tensors[e, proj, "weight"].double().T
+            out = a @ weights[e, proj].T
             return out + tensors[e, proj, "bias"].double() if spec.expert_bias and proj != "down" else out
 
         h = _activation64(spec, linear(x, "gate") if spec.gated else None, linear(x, "up"))
         rows_h.append(h)
-        rows_y.append(h.to(torch.bfloat16).double() @ tensors[e, "down", "weight"].double().T)
+        rows_y.append(h.to(torch.bfloat16).double() @ weights[e, "down"].T)
     return torch.stack(rows_h), torch.stack(rows_y)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"BM{c[0][0]}")
+@pytest.mark.parametrize("fmt, cfg", CASES, ids=lambda c: c if isinstance(c, str) else f"BM{c[0][0]}")
 @pytest.mark.parametrize("activation", ["silu_glu", "swiglu_oai", "relu2"])
 @pytest.mark.parametrize("tokens, experts", [(37, None), (40, [1, 4, 6])])
-def test_grouped_gemms_match_float64(cfg, activation, tokens, experts):
+def test_grouped_gemms_match_float64(fmt, cfg, activation, tokens, experts):
     bias = activation == "swiglu_oai"
     spec = MoeShape(320, 192, 8, 3, activation, expert_bias=bias)
-    seed = 7 * tokens + len(activation)
-    tensors = make_expert_tensors(spec, "bf16", seed=seed, weight_std=3.0 if bias else 1.0)
-    buffers = convert("bf16", spec, range(spec.num_experts), tensors, "cpu")
+    seed = 7 * tokens + len(activation) + len(fmt)
+    tensors = make_expert_tensors(spec, fmt, seed=seed, weight_std=3.0 if bias else 1.0)
+    buffers = convert(fmt, spec, range(spec.num_experts), tensors, "cpu")
     ids, _ = random_routing(tokens, spec, seed=seed + 1, experts=experts)
     hidden = random_hidden(tokens, spec, seed=seed + 2)
     (cfg1, cfg2), (h_dim, i_dim) = cfg, (spec.hidden_size, spec.intermediate_size)
     sorted_pair, offs, tile_expert, tile_row, num_tiles, max_tiles = _routing(ids, spec.num_experts, cfg1[0])
     pairs = ids.numel()
     h = torch.full((pairs, i_dim), float("nan"), dtype=torch.bfloat16)
-    T.launch_gemm1(hidden, None, buffers["w13"], None, buffers.get("b13"), sorted_pair, offs, tile_expert, tile_row,
-                   num_tiles, h, None, hidden=h_dim, inter=i_dim, top_k=spec.top_k, max_tiles=max_tiles,
-                   alpha=spec.swiglu_alpha, limit=spec.swiglu_limit, fp8=False, gated=spec.gated,
-                   act=_ACT[activation], cfg=cfg1)
+    T.launch_gemm1(hidden, None, buffers["w13"], buffers.get("s13"), buffers.get("b13"),
+                   sorted_pair, offs, tile_expert, tile_row, num_tiles, h, None, hidden=h_dim, inter=i_dim,
+                   top_k=spec.top_k, max_tiles=max_tiles, alpha=spec.swiglu_alpha, limit=spec.swiglu_limit, fmt=fmt,
+                   gated=spec.gated, act=_ACT[activation], cfg=cfg1)
     y = torch.full((pairs, h_dim), float("nan"), dtype=torch.bfloat16)
-    T.launch_gemm2(h, None, buffers["w2"], None, offs, tile_expert, tile_row, num_tiles, y, hidden=h_dim,
-                   inter=i_dim, max_tiles=max_tiles, fp8=False, cfg=cfg2)
-    ref_h, ref_y = _oracle(spec, tensors, hidden, ids, sorted_pair)
+    T.launch_gemm2(h, None, buffers["w2"], buffers.get("s2"), offs, tile_expert, tile_row,
+                   num_tiles, y, hidden=h_dim, inter=i_dim, max_tiles=max_tiles, fmt=fmt, cfg=cfg2)
+    ref_h, ref_y = _oracle(spec, fmt, tensors, hidden, ids, sorted_pair)
     assert not h.isnan().any() and not y.isnan().any()
     assert_rel_close(h, ref_h, 1e-2, 2.0 ** -6)
     assert_rel_close(y, ref_y, 1e-2, 2.0 ** -5)
