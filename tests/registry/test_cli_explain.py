@@ -55,6 +55,16 @@ def test_explain_kimi_k3_on_sm_100_says_what_runs_and_why(capsys):
     assert out == KIMI_SM100
 
 
+def test_the_readme_shows_what_explain_prints(capsys):
+    # README "Reading `explain`" quotes the command above and its output; it must stay what the command prints.
+    readme = (ROOT / "README.md").read_text()
+    command = "$ python -m codegen explain --model kimi_k3 --sm 100 --parallel tp16_moetp4ep4\n"
+    quoted = readme[readme.index(command) + len(command):]
+    quoted = quoted[:quoted.index("```")]
+    code, out, _ = explain(capsys, "--model", "kimi_k3", "--sm", "100", "--parallel", "tp16_moetp4ep4")
+    assert (code, quoted) == (0, out)
+
+
 def test_explain_json_for_kimi_k3_on_sm_100_carries_the_same_facts(capsys):
     code, out, _ = explain(capsys, "--model", "kimi_k3", "--sm", "100", "--parallel", "tp16_moetp4ep4", "--json")
     assert code == 0
