@@ -102,7 +102,8 @@ def test_the_embedded_mtp_draft_of_a_cut_build_reads_its_layer_where_it_lives(mo
     folder = builds.mtp_checkpoint("tiny_deepseek_v3")
     tensors = builds.read_tensors(folder)
     model = load_model("tiny_deepseek_v3", 90, checkpoint=str(folder), checkpoint_name="tiny_deepseek_v3_bf16", mode=mode,
-                       moe_config={"backend": "TORCH"}, speculative_config={"mode": "mtp"}, num_layers=2).eval()
+                       moe_config={"backend": "TORCH"}, speculative_config={"mode": "mtp"}, num_layers=2,
+                       dtype=torch.float32).eval()
     assert len(model.model.layers) == 2 and model.draft is not None
     block = model.draft.model.layers["3"]
     assert torch.equal(block.eh_proj.weight, tensors["model.layers.3.eh_proj.weight"])
