@@ -90,10 +90,12 @@ class _TritonGroupedExperts:
             h = self._empty((pairs, inter), torch.bfloat16, device, poison)
         s13, s2 = (self.s13, self.s2) if fmt != "bf16" else (None, None)
         T.launch_gemm1(a1, as1, self.w13, s13, self.b13 if spec.expert_bias else None, sorted_pair, offs,
-                       tile_expert, tile_row, num_tiles, h, hs, hidden=hsize, inter=inter, top_k=top_k, max_tiles=max_tiles, alpha=spec.swiglu_alpha,
-                       limit=spec.swiglu_limit, fmt=fmt, gated=spec.gated, act=_ACT[spec.activation], cfg=cfg1)
+                       tile_expert, tile_row, num_tiles, h, hs, hidden=hsize, inter=inter, top_k=top_k,
+                       max_tiles=max_tiles, alpha=spec.swiglu_alpha, limit=spec.swiglu_limit, fmt=fmt,
+                       gated=spec.gated, act=_ACT[spec.activation], cfg=cfg1)
         y = self._empty((pairs, hsize), torch.bfloat16, device, poison)
-        T.launch_gemm2(h, hs, self.w2, s2, offs, tile_expert, tile_row, num_tiles, y, hidden=hsize, inter=inter, max_tiles=max_tiles, fmt=fmt, cfg=cfg2)
+        T.launch_gemm2(h, hs, self.w2, s2, offs, tile_expert, tile_row, num_tiles, y, hidden=hsize, inter=inter,
+                       max_tiles=max_tiles, fmt=fmt, cfg=cfg2)
         return self._combine(kern, stream, y, 1, pair_pos, sorted_expert, weights, tokens, hidden.dtype)
 
 
@@ -118,7 +120,6 @@ class TritonWgmmaFp8BlockScalesExperts(_TritonGroupedExperts, CupyMmaFp8BlockSca
     TRITON_MIN_ROWS = 2
     CONFIGS = ((16, ((16, 128, 128, 4, 4, 8), (16, 128, 128, 4, 4, 8))),
                (1e9, ((64, 128, 128, 8, 3, 8), (64, 128, 128, 4, 4, 8))))
-
 
 
 class TritonWgmmaW4a16Mxfp4Experts(_TritonGroupedExperts, CupyMmaW4a16Mxfp4Experts):

@@ -4,8 +4,9 @@ against a float64 oracle, with every tile configuration the classes plan with an
 Runs only with Triton installed and `TRITON_INTERPRET=1` (e.g. `PYTHONPATH=/path/to/triton TRITON_INTERPRET=1
 python -m pytest tests/runtime/test_triton_grouped_interpreter.py`); on the GPU, tests/gpu/test_triton_experts.py
 runs the whole op. The weights are the checkpoint's, laid out by the product's own loader code
-(`cupy_layout.convert`: gate/up interleaved per 8 rows, FP4 bits re-laid); the routing arrays are those `moe_align` documents
-(pairs stably sorted by expert, tiles of at most BM rows), built here in torch since moe_align is a CUDA kernel.
+(`cupy_layout.convert`: gate/up interleaved per 8 rows, FP4 bits re-laid); the routing arrays are those
+`moe_align` documents (pairs stably sorted by expert, tiles of at most BM rows), built here in torch since
+moe_align is a CUDA kernel.
 Judged per routed pair: GEMM1's bf16 intermediate against the float64 activation of the float64 products (one
 bf16 rounding, which the interpreter truncates rather than rounds), GEMM2's bf16 rows against the float64
 product of that intermediate. Sizes are multiples of the K-blocks but not of the output blocks (partial tiles),
