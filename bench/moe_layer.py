@@ -89,13 +89,13 @@ TRITON_SWEEP = {
         ((64, 128, 64, 4, 4, 8), (64, 128, 64, 4, 4, 8)),
     ],
     # FP4 words decoded in registers as the dot's first operand: GEMM1 with BN 128 (256 weight rows) spills
-    # 288-304 bytes offline (Triton 3.6, sm_90a), so its blocks are 64 channels (128 rows) except the last
+    # 288-304 bytes offline (Triton 3.6, sm_90a), so its blocks are 64 channels (128 rows) except the last;
+    # BK is 64, one column of the 16 x 64 FP4 row tiles a TMA block
     "w4a16_mxfp4": [
         ((128, 64, 64, 8, 3, 8), (128, 128, 64, 8, 3, 8)),
         ((128, 64, 64, 8, 4, 8), (128, 128, 64, 8, 4, 8)),
         ((128, 64, 64, 8, 3, 8), (128, 64, 64, 8, 3, 8)),
         ((64, 64, 64, 4, 3, 8), (64, 128, 64, 4, 3, 8)),
-        ((128, 64, 32, 8, 4, 8), (128, 128, 32, 8, 4, 8)),
         ((128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 3, 8)),
     ],
 }

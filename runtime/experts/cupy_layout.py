@@ -1,10 +1,11 @@
 """The CUPY and TRITON experts' device buffers: their shapes per weight format, and the checkpoint's tensors
-re-laid into them at load (gate/up rows interleaved per 8, FP4 bits rearranged: runtime/kernels/layouts.py)."""
+re-laid into them at load (gate/up rows interleaved per 8, FP4 bits rearranged and rows tiled:
+runtime/kernels/layouts.py)."""
 from __future__ import annotations
 
 import torch
 
-from ..kernels.layouts import interleave_gate_up, relayout_fp4
+from ..kernels.layouts import interleave_gate_up, relayout_fp4, tile_fp4_rows
 from .base import MoeShape
 
 
@@ -33,7 +34,8 @@ def buffer_specs(fmt: str, spec: MoeShape, n: int, i: int) -> dict:
 
 def convert(fmt: str, spec: MoeShape, expert_ids, staged, device) -> dict:
     """The buffers of `buffer_specs` from the staged checkpoint tensors `(expert, proj, kind) -> tensor` of
-    `expert_ids` (in that order): gate/up rows interleaved, FP4 bits re-laid for the kernels' decode."""
+    `expert_ids` (in that order): gate/up rows interleaved, FP4 bits re-laid for the kernels' decode and
+    their rows tiled by 16 x 64."""
     gated = spec.gated
 
     def stacked(proj, kind):
@@ -59,8 +61,8 @@ def convert(fmt: str, spec: MoeShape, expert_ids, staged, device) -> dict:
     else:
         layout = "e4m3" if fmt == "w4a8_mxfp4_fp8" else "bf16"
         relaid = lambda t: relayout_fp4(t, layout)   # noqa: E731
-        new["w13"] = first("weight", relaid)
-        new["w2"] = relaid(stacked("down", "weight"))
+        new["w13"] = tile_fp4_rows(first("weight", relaid))
+        new["w2"] = tile_fp4_rows(relaid(stacked("down", "weight")))
         if fmt == "w4a16_nvfp4":
             as_bytes = lambda t: t.view(torch.uint8)   # noqa: E731
             new["s13"] = first("weight_scale", as_bytes).view(torch.float8_e4m3fn)

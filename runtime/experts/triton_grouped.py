@@ -3,7 +3,7 @@
 The CUPY GEMMs are mma.sync kernels that stream weights into registers: right for decode, where
 they read weights at up to 4.4 TB/s, but on sm_90 mma.sync runs FP8 as f16 HMMA and bf16 well below
 the wgmma rate. Here, once a call routes enough rows per expert (`TRITON_MIN_ROWS`: 2 for FP8, 4 for
-bf16, 64 for MXFP4), both GEMMs run
+bf16, 128 for MXFP4), both GEMMs run
 as Triton grouped GEMMs (runtime/kernels/triton_grouped.py) over the same CUPY routing, activation
 quantization and combine kernels; smaller calls run the CUPY path unchanged. Same buffers and weight
 layouts as the CUPY class of the format (weights stay packed: FP8 codes and block scales, MXFP4 words
@@ -126,7 +126,8 @@ class TritonWgmmaW4a16Mxfp4Experts(_TritonGroupedExperts, CupyMmaW4a16Mxfp4Exper
     __doc__ = ("TRITON, MXFP4 weights kept packed (the CUPY layout) and decoded to bf16 in the Triton GEMMs' "
                "registers for prefill, the CUPY kernels for decode. " + _TritonGroupedExperts.__doc__)
     IMPL_ID = "triton.wgmma.grouped_gemm.w4a16_mxfp4"
-    # From 64 rows (G at 2048 tokens: 5 % less time than CUPY; Q at 8192, 512 rows: 31 % less, 2026-12-02).
+    # From 128 rows (Q at 2048 tokens: 12 % less time than CUPY; Q at 8192, 512 rows: 29 % less). At 64 rows (G at
+    # 2048) CUPY is as fast or 6 % faster since its FP4 rows are tiled (2026-12-02, BENCHMARKS.md).
     # GEMM1 on 64-channel blocks (128 w13 rows): 256 rows spill 288-304 bytes (Triton 3.6, sm_90a, offline).
-    TRITON_MIN_ROWS = 64
+    TRITON_MIN_ROWS = 128
     CONFIGS = ((1e9, ((128, 64, 64, 8, 3, 8), (128, 128, 64, 8, 3, 8))),)

@@ -1,13 +1,15 @@
 """Weight layouts the CUPY kernels read, made once at load from the canonical checkpoint tensors.
 
-Plain torch (no GPU, no cupy), so CPU tests can check them against the formats' codecs. Two changes
-from the checkpoint layout, both free at run time and exact:
+Plain torch (no GPU, no cupy), so CPU tests can check them against the formats' codecs. Three changes
+from the checkpoint layout, all free at run time and exact:
 
 * gate and up rows interleaved in blocks of 8 (`interleave_gate_up`): one 16-row MMA tile holds 8
   gate rows and the 8 matching up rows, so the GLU activation happens in the GEMM's registers.
 * FP4 (E2M1) codes moved to other bit positions inside each 32-bit word of 8 elements
   (`relayout_fp4`): a word is turned into MMA operands with a few shifts and masks instead of a
   per-nibble table lookup (moe_kernels.cu: fp4_to_bf16x8, fp4_to_e4m3x8).
+* FP4 rows stored in tiles of 16 rows x 64 K elements (`tile_fp4_rows`): the 16 rows of one MMA tile
+  read each 64-element chunk as 512 contiguous bytes instead of 16 pieces of 32 bytes, one per row.
 """
 from __future__ import annotations
 
@@ -49,6 +51,18 @@ def relayout_fp4(packed: torch.Tensor, layout: str) -> torch.Tensor:
         new = new.reshape(*shape[:-1], shape[-1] // 8, 8)[..., list(_W4A8_WORD_ORDER)].reshape(shape)
     new = torch.where(new >= 2 ** 31, new - 2 ** 32, new).to(torch.int32)
     return new.view(torch.uint8).reshape(packed.shape)
+
+
+def tile_fp4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """Packed FP4 [..., N, K/2] uint8 -> the same bytes in tiles: tile (b, c), 512 contiguous bytes, holds
+    bytes 32c..32c+31 (K elements 64c..64c+63) of rows 16b..16b+15 in row order, tiles c = 0.. of row
+    block b one after another (row block b is still bytes 16b * K/2 .. 16(b+1) * K/2). Same shape."""
+    *lead, n, kb = packed.shape
+    if packed.dtype != torch.uint8 or n % 16 or kb % 32:
+        raise ValueError(f"tile_fp4_rows needs uint8 [..., N, K/2] with N % 16 == 0 and K % 64 == 0, got "
+                         f"{tuple(packed.shape)} {packed.dtype}")
+    tiles = packed.reshape(*lead, n // 16, 16, kb // 32, 32).transpose(-3, -2)
+    return tiles.contiguous().reshape(packed.shape)
 
 
 def decode_bf16_word(word):

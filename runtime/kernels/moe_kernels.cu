@@ -18,6 +18,8 @@
 //    feeds them to the MMA without shuffles or shared memory.
 //  * gate and up rows are interleaved in blocks of 8 at load time, so one m-tile holds gate rows
 //    (g) and the matching up rows (g + 8) and the activation is computed in registers.
+//  * FP4 weights are stored in tiles of 16 rows x 64 K elements at load time, so an m-tile's chunk is
+//    one contiguous 512-byte read (WTraits::STEP).
 //  * a persistent grid walks (token tile, n-block) items; the item count comes from the device, so
 //    nothing is read back to the host and the whole op is CUDA-graph capturable.
 //  * pair tiles (the `_pairs` entry points) skip the sort for one-token calls, whose top-k experts
@@ -709,11 +711,14 @@ extern "C" __global__ void __launch_bounds__(ROUTE_EPB * 32) moe_route(
 // the grouped GEMM
 // ------------------------------------------------------------------------------------------------
 template <int WF> struct WTraits;
-// bytes of one weight row per 64-chunk (whole quad), per lane, and the lane's register words
-template <> struct WTraits<WF_BF16> { static constexpr int CHUNK = 128, LANE = 32, WORDS = 8; };
-template <> struct WTraits<WF_FP8B> { static constexpr int CHUNK = 64, LANE = 16, WORDS = 4; };
-template <> struct WTraits<WF_MXFP4> { static constexpr int CHUNK = 32, LANE = 8, WORDS = 2; };
-template <> struct WTraits<WF_NVFP4> { static constexpr int CHUNK = 32, LANE = 8, WORDS = 2; };
+// bytes of one weight row per 64-chunk (whole quad), per lane, the lane's register words, and the bytes
+// from one row's chunk to its next: rows stored whole (STEP = CHUNK), or FP4 rows tiled by 16 x 64
+// (runtime/kernels/layouts.tile_fp4_rows: an m-tile's chunk is 512 contiguous bytes, which its warp reads
+// in two coalesced 256-byte loads; 16 separate 32-byte row pieces streamed 10 % slower, BENCHMARKS.md)
+template <> struct WTraits<WF_BF16> { static constexpr int CHUNK = 128, LANE = 32, WORDS = 8, STEP = 128; };
+template <> struct WTraits<WF_FP8B> { static constexpr int CHUNK = 64, LANE = 16, WORDS = 4, STEP = 64; };
+template <> struct WTraits<WF_MXFP4> { static constexpr int CHUNK = 32, LANE = 8, WORDS = 2, STEP = 512; };
+template <> struct WTraits<WF_NVFP4> { static constexpr int CHUNK = 32, LANE = 8, WORDS = 2, STEP = 512; };
 
 template <int AQ> struct ATraits;
 template <> struct ATraits<AQ_NONE> { static constexpr int CHUNK = 128, LANE = 32, WORDS = 8; };
@@ -725,7 +730,7 @@ template <int WF, int MT> __device__ __forceinline__ void load_w(const u8* const
   for (int m = 0; m < MT; ++m)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const u8* p = wp[m][h] + (size_t)c * WTraits<WF>::CHUNK;
+      const u8* p = wp[m][h] + (size_t)c * WTraits<WF>::STEP;
       if constexpr (WF == WF_BF16) {
         uint4 a = ldg_stream16(p), b = ldg_stream16(p + 16);
         w[m][h][0] = a.x; w[m][h][1] = a.y; w[m][h][2] = a.z; w[m][h][3] = a.w;
@@ -795,6 +800,8 @@ __device__ __forceinline__ void moe_gemm_impl(
   const int kc0 = ks * nch / SK, kc1 = (ks + 1) * nch / SK;   // this warp's chunks [kc0, kc1)
   __shared__ float red[SK > 1 ? 4 : 1][SK > 1 ? MT * NT * 4 : 1][32];
   const size_t wrow = (size_t)K * WTraits<WF>::CHUNK / 64;     // bytes per weight row
+  // bytes from row r to row r + 1 of an m-tile at the same chunk (tiled FP4: the next 32 bytes)
+  const size_t rstep = WTraits<WF>::STEP == WTraits<WF>::CHUNK ? wrow : WTraits<WF>::CHUNK;
   const size_t arow_bytes = (size_t)K * ATraits<AQ>::CHUNK / 64;
 
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
@@ -838,8 +845,8 @@ __device__ __forceinline__ void moe_gemm_impl(
     for (int m = 0; m < MT; ++m) {
       const int mt = min(mt0 + m, n_tiles16 - 1);
       const size_t r = (size_t)le * N + mt * 16 + g;
-      wp[m][0] = W + r * wrow + t * WTraits<WF>::LANE;
-      wp[m][1] = wp[m][0] + 8 * wrow;
+      wp[m][0] = W + (r - g) * wrow + g * rstep + t * WTraits<WF>::LANE;
+      wp[m][1] = wp[m][0] + 8 * rstep;
     }
 
     float acc[MT][NT][4];

@@ -12,9 +12,10 @@ bf16 rounding of the intermediate and, for FP8, its 1x128 quantization (the outp
 128-channel group) in the epilogue. `gemm2`: down projection into bf16 rows in sorted order, for
 the CUPY `moe_combine`. FP8: one 128x128 weight block scale and one 1x128 activation scale per
 K-block, promoted into the fp32 accumulator after each block's product (as DeepSeek's recipe does).
-MXFP4 (W4): the packed words (runtime/kernels/layouts.BF16_WORD bit layout, 8 elements a word) come through
-TMA and are decoded with their E8M0 scales into an exact bf16 block in registers, the dot's first operand
-(wgmma reads it from registers; the accumulator is transposed once after the K loop); activations stay bf16.
+MXFP4 (W4): the packed words (runtime/kernels/layouts.BF16_WORD bit layout, 8 elements a word, rows tiled by
+16 x 64: layouts.tile_fp4_rows) come through TMA, 64 K elements a step, and are decoded with their E8M0 scales
+into an exact bf16 block in registers, the dot's first operand (wgmma reads it from registers; the accumulator
+is transposed once after the K loop); activations stay bf16.
 """
 from __future__ import annotations
 
@@ -64,7 +65,9 @@ def _fp4_pair(p, f):
 def _mxfp4_block(w_desc, ws_ptr, w_row0, wrows, k0, K, BK: tl.constexpr):
     """bf16 weights [rows, BK] of the global weight rows `wrows` (from descriptor row w_row0), K from k0, decoded
     from packed FP4 words (layouts.BF16_WORD, as moe_kernels.cu's fp4_to_bf16x8 does) and their E8M0 scales."""
-    x = w_desc.load([w_row0, k0 // 8]).to(tl.uint32, bitcast=True)          # [rows, BK / 8] words
+    # [rows / 16, 16, 8] words: the 16 x 64 tiles of the rows at chunk k0 / 64 (BK == 64)
+    x = w_desc.load([w_row0 // 16, k0 // 4, 0])
+    x = tl.reshape(x, [x.shape[0] * 16, BK // 8]).to(tl.uint32, bitcast=True)
     word = k0 // 8 + tl.arange(0, BK // 8)
     s = tl.load(ws_ptr + wrows.to(tl.int64)[:, None] * (K // 32) + (word // 4)[None, :]).to(tl.uint32)
     # 2^(s - 127); byte 0 is 2^-127, an fp32 subnormal
@@ -208,10 +211,13 @@ def _desc(t2d, block):
 
 
 def _weight_desc(w, fmt, rows, bk):
-    """TMA descriptor of a weight tensor [n, N, K] (MXFP4: [n, N, K / 2] bytes, read as 32-bit words) by blocks
-    of `rows` x `bk` weights."""
+    """TMA descriptor of a weight tensor [n, N, K] by blocks of `rows` x `bk` weights. MXFP4: [n, N, K / 2]
+    bytes in 16 x 64 tiles (layouts.tile_fp4_rows), read as 32-bit words [n N / 16, K / 64 * 16, 8] (row
+    block, chunk * 16 + row, word) by blocks of one chunk (`bk` 64) of `rows` / 16 row blocks."""
     if fmt == "w4a16_mxfp4":
-        return _desc(w.view(torch.int32).reshape(-1, w.shape[-1] // 4), (rows, bk // 8))
+        if bk != 64 or rows % 16:
+            raise ValueError(f"MXFP4 blocks are 64 K elements of whole 16-row tiles, got {rows} x {bk}")
+        return _desc(w.view(torch.int32).reshape(-1, w.shape[-1] // 2, 8), (rows // 16, 16, 8))
     return _desc(w.reshape(-1, w.shape[-1]), (rows, bk))
 
 

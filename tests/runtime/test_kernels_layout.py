@@ -1,12 +1,15 @@
 """The weight layouts of the CUPY kernels, checked on the CPU: FP4 words re-laid at load and decoded
 the way moe_kernels.cu decodes them give back the checkpoint's E2M1 values at the K positions the
-kernels pair them with, and gate/up interleaving puts 8 gate rows above their 8 up rows."""
+kernels pair them with, gate/up interleaving puts 8 gate rows above their 8 up rows, and FP4 rows tiled by
+16 x 64 put each m-tile's chunk in 512 contiguous bytes."""
 import struct
 
 import torch
 
 from runtime.formats import fp4
-from runtime.kernels.layouts import decode_bf16_word, decode_e4m3_word, interleave_gate_up, relayout_fp4
+import pytest
+
+from runtime.kernels.layouts import decode_bf16_word, decode_e4m3_word, interleave_gate_up, relayout_fp4, tile_fp4_rows
 
 
 def _bf16(bits: int) -> float:
@@ -76,3 +79,26 @@ def test_bf16_decode_is_exact_for_every_code_combination():
     assert np.array_equal(got, expected)
     assert np.array_equal(np.signbit(got), np.signbit(expected))                         # -0 stays -0
 
+
+
+def test_fp4_row_tiles_hold_each_m_tile_chunk_in_512_contiguous_bytes():
+    n, rows, k = 2, 48, 192          # 3 row blocks of 16, 3 chunks of 64 K elements (32 bytes a row)
+    packed = torch.randint(0, 256, (n, rows, k // 2), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
+    tiled = tile_fp4_rows(packed)
+    assert tiled.shape == packed.shape and tiled.dtype == torch.uint8
+    flat = tiled.reshape(n, -1)
+    for e in range(n):
+        for b in range(rows // 16):
+            for c in range(k // 64):
+                at = (b * (k // 64) + c) * 512          # tile (b, c) of expert e, in row block b's bytes
+                for r in range(16):
+                    got = flat[e, at + 32 * r:at + 32 * r + 32]
+                    assert torch.equal(got, packed[e, 16 * b + r, 32 * c:32 * c + 32]), (e, b, c, r)
+
+
+@pytest.mark.parametrize("shape", [(2, 40, 96), (2, 32, 80)])
+def test_fp4_row_tiles_refuse_rows_or_k_off_the_tile(shape):
+    with pytest.raises(ValueError) as err:
+        tile_fp4_rows(torch.zeros(shape, dtype=torch.uint8))
+    assert str(err.value) == ("tile_fp4_rows needs uint8 [..., N, K/2] with N % 16 == 0 and K % 64 == 0, got "
+                              f"{shape} torch.uint8")
