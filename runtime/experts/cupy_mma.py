@@ -17,7 +17,8 @@ expert (prefill) run both GEMMs through `torch._grouped_mm` instead (~600 TFLOP/
 kernels for routing, gather, activation and combine.
 
 Activations run in bf16 (hidden states of another dtype are converted). Weights are re-laid out
-once at load (gate/up rows interleaved; FP4 bits rearranged: runtime/kernels/layouts.py).
+once at load (gate/up rows interleaved; FP4 bits rearranged and rows tiled by 16 x 64:
+runtime/kernels/layouts.py).
 """
 from __future__ import annotations
 
