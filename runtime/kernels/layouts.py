@@ -28,6 +28,9 @@ BF16_WORD = tuple(
 # first four sit in place (bits 8k+2..8k+4), those of the last four 3 bits higher; signs in bits
 # 8k (first four) and 8k+1 (last four).
 E4M3_WORD = tuple((8 * (i % 4) + (5 if i >= 4 else 2), 8 * (i % 4) + (1 if i >= 4 else 0)) for i in range(8))
+# The masks a BF16_WORD decode keeps of each shifted word (moe_kernels.cu fp4_to_bf16x8, triton_grouped
+# _mxfp4_block, decode_bf16_word): the magnitude fields (bf16 bits 8..6, 24..22), the signs (bits 15, 31).
+BF16_WORD_MAG, BF16_WORD_SIGN = 0x01C001C0, 0x80008000
 # w4a8 runs one E4M3 MMA step (32 K elements, one MX scale block) per word: lane t's two words of a
 # 64-element chunk are elements 8t..8t+7 of each 32-block, stored next to each other.
 _W4A8_WORD_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)   # stored word d of a chunk <- canonical word
@@ -68,7 +71,7 @@ def tile_fp4_rows(packed: torch.Tensor) -> torch.Tensor:
 def decode_bf16_word(word):
     """What moe_kernels.cu's fp4_to_bf16x8 makes of one 32-bit word: 4 bf16x2 bit patterns (for tests;
     `word` may be an int or an int64 / uint64 numpy array of words, decoded elementwise)."""
-    mag, sgn, m = 0x01C001C0, 0x80008000, 0xFFFFFFFF
+    mag, sgn, m = BF16_WORD_MAG, BF16_WORD_SIGN, 0xFFFFFFFF
     x = word & m
     return [x & (mag | sgn),
             ((x >> 3) & mag) | ((x << 15) & sgn & m),

@@ -24,9 +24,12 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .layouts import BF16_WORD_MAG, BF16_WORD_SIGN
+
 ACT_SILU_GLU, ACT_SWIGLU_OAI, ACT_RELU2 = 0, 1, 2
 _SCALE_BLOCK = tl.constexpr(128)
 _TWO_126 = tl.constexpr(2.0 ** 126)
+_MAG, _SIGN = tl.constexpr(BF16_WORD_MAG), tl.constexpr(BF16_WORD_SIGN)
 
 
 @triton.jit
@@ -72,11 +75,10 @@ def _mxfp4_block(w_desc, ws_ptr, w_row0, wrows, k0, K, BK: tl.constexpr):
     s = tl.load(ws_ptr + wrows.to(tl.int64)[:, None] * (K // 32) + (word // 4)[None, :]).to(tl.uint32)
     # 2^(s - 127); byte 0 is 2^-127, an fp32 subnormal
     f = tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
-    mag, sgn = 0x01C001C0, 0x80008000
-    e0, e1 = _fp4_pair(x & (mag | sgn), f)
-    e2, e3 = _fp4_pair(((x >> 3) & mag) | ((x << 15) & sgn), f)
-    e4, e5 = _fp4_pair(((x >> 6) & mag) | ((x << 14) & sgn), f)
-    e6, e7 = _fp4_pair(((x << 3) & mag) | ((x << 13) & sgn), f)
+    e0, e1 = _fp4_pair(x & (_MAG | _SIGN), f)
+    e2, e3 = _fp4_pair(((x >> 3) & _MAG) | ((x << 15) & _SIGN), f)
+    e4, e5 = _fp4_pair(((x >> 6) & _MAG) | ((x << 14) & _SIGN), f)
+    e6, e7 = _fp4_pair(((x << 3) & _MAG) | ((x << 13) & _SIGN), f)
     # element 8w + i of the block is e_i of word w
     evens = tl.interleave(tl.interleave(e0, e4), tl.interleave(e2, e6))
     odds = tl.interleave(tl.interleave(e1, e5), tl.interleave(e3, e7))
