@@ -714,7 +714,7 @@ template <int WF> struct WTraits;
 // bytes of one weight row per 64-chunk (whole quad), per lane, the lane's register words, and the bytes
 // from one row's chunk to its next: rows stored whole (STEP = CHUNK), or FP4 rows tiled by 16 x 64
 // (runtime/kernels/layouts.tile_fp4_rows: an m-tile's chunk is 512 contiguous bytes, which its warp reads
-// in two coalesced 256-byte loads; 16 separate 32-byte row pieces streamed 10 % slower, BENCHMARKS.md)
+// in two coalesced 256-byte loads; 16 separate 32-byte row pieces streamed 4-22 % slower, BENCHMARKS.md)
 template <> struct WTraits<WF_BF16> { static constexpr int CHUNK = 128, LANE = 32, WORDS = 8, STEP = 128; };
 template <> struct WTraits<WF_FP8B> { static constexpr int CHUNK = 64, LANE = 16, WORDS = 4, STEP = 64; };
 template <> struct WTraits<WF_MXFP4> { static constexpr int CHUNK = 32, LANE = 8, WORDS = 2, STEP = 512; };

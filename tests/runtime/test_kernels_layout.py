@@ -4,11 +4,10 @@ kernels pair them with, gate/up interleaving puts 8 gate rows above their 8 up r
 16 x 64 put each m-tile's chunk in 512 contiguous bytes."""
 import struct
 
+import pytest
 import torch
 
 from runtime.formats import fp4
-import pytest
-
 from runtime.kernels.layouts import decode_bf16_word, decode_e4m3_word, interleave_gate_up, relayout_fp4, tile_fp4_rows
 
 
@@ -78,7 +77,6 @@ def test_bf16_decode_is_exact_for_every_code_combination():
     expected = codes.view(ml_dtypes.float4_e2m1fn).astype(np.float64)
     assert np.array_equal(got, expected)
     assert np.array_equal(np.signbit(got), np.signbit(expected))                         # -0 stays -0
-
 
 
 def test_fp4_row_tiles_hold_each_m_tile_chunk_in_512_contiguous_bytes():
