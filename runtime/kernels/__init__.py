@@ -4,14 +4,17 @@ cupy is imported only inside `load` and `launch`, so the runtime (and every clas
 kernels) imports and constructs on machines without it. A module is compiled through CuPy's NVRTC
 backend (CuPy caches the binary on disk), or, when `MOEGEN_CUBIN_DIR` holds a cubin built from the
 very same source for this SM (`python -m runtime.kernels.build`), loaded from there without
-compiling. Launches go to torch's current stream, take raw device pointers (zero copy), allocate
-nothing and never synchronize, so they are captured by CUDA graphs like torch's own kernels.
+compiling. Launches go to torch's current stream through the driver (driver.py: programmatic dependent
+launch, so each kernel's start overlaps its predecessor's end), take raw device pointers (zero copy),
+allocate nothing and never synchronize, so they are captured by CUDA graphs like torch's own kernels.
 """
 from __future__ import annotations
 
 import hashlib
 import os
 from pathlib import Path
+
+from . import driver
 
 SOURCE = Path(__file__).with_name("moe_kernels.cu")
 SOURCES = (SOURCE,)
@@ -110,7 +113,7 @@ class Kernels:
     def __init__(self, module, device_index: int, sm_count: int):
         self._module = module
         self._fns: dict = {}
-        self._streams: dict = {}
+        self._ptrs: dict = {}
         self.device_index = device_index
         self.sm_count = sm_count
 
@@ -128,24 +131,16 @@ class Kernels:
         per_sm = max(1, min(2048 // threads, warps // (threads // 32)))
         return max(1, min(items, per_sm * self.sm_count))
 
-    def _stream(self, stream_ptr: int):
-        stream = self._streams.get(stream_ptr)
-        if stream is None:
-            import warnings
-
-            import cupy
-
-            with warnings.catch_warnings():   # cupy 14 deprecates ExternalStream for Stream.from_external
-                warnings.simplefilter("ignore", DeprecationWarning)
-                stream = self._streams[stream_ptr] = cupy.cuda.ExternalStream(stream_ptr, self.device_index)
-        return stream
-
     def launch(self, name: str, grid, block, args, stream_ptr: int, shared_mem: int = 0) -> None:
-        """Launch on the CUDA stream `stream_ptr` (torch's current one): no sync, no allocation."""
+        """Launch on the CUDA stream `stream_ptr` (torch's current one), with programmatic dependent launch
+        (driver.py): no sync, no allocation."""
         import cupy
 
-        with cupy.cuda.Device(self.device_index), self._stream(stream_ptr):
-            self.fn(name)(tuple(grid), tuple(block), tuple(args), shared_mem=shared_mem)
+        with cupy.cuda.Device(self.device_index):
+            ptr = self._ptrs.get(name)
+            if ptr is None:
+                ptr = self._ptrs[name] = self.fn(name).kernel.ptr
+            driver.launch(ptr, grid, block, tuple(args), stream_ptr, shared_mem, name)
 
 
 def load(instances, device) -> Kernels:

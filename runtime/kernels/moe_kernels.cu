@@ -85,10 +85,40 @@ __device__ __forceinline__ uint2 ldg_stream8(const void* p) {
   asm("ld.global.nc.L1::no_allocate.v2.u32 {%0,%1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
   return v;
 }
-__device__ __forceinline__ uint4 ldg16(const void* p) {          // activations: shared by the warps
+// Activations, the token rows an earlier kernel of the op wrote (shared by the warps, cached in L1): a
+// coherent load, never ld.global.nc. ptxas takes .nc data for read-only over the kernel's whole life and
+// moves such loads above griddepcontrol.wait (seen in the SASS of GEMM2), where the previous kernel may
+// still be writing them. For the same reason no pointer to an earlier kernel's output is __restrict__
+// (which would let the compiler pick .nc loads itself); weights, scales and biases stay read-only.
+__device__ __forceinline__ uint4 ldg16(const void* p) {
   uint4 v;
-  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  asm volatile("ld.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
+}
+
+// Programmatic dependent launch (runtime/kernels/__init__.py launches every kernel of this module with
+// it): a kernel may start while the previous kernel of the stream finishes, so each one waits for its
+// predecessor's completion (and memory) before touching anything that kernel, or one before it, writes,
+// and then lets its own successor start. Both are no-ops for a launch without the attribute.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void grid_dependents_launch() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_then_release() {
+  grid_dependency_wait();
+  grid_dependents_launch();
+}
+// Bytes [p, p + n) into L2 (a hint: nothing waits for it), the lanes `first`, `first + stride`, ... taking a
+// 128-byte line each.
+__device__ __forceinline__ void prefetch_l2(const void* p, size_t n, int first, int stride) {
+  for (size_t o = (size_t)first * 128; o < n; o += (size_t)stride * 128)
+    asm volatile("prefetch.global.L2 [%0];" :: "l"(reinterpret_cast<const u8*>(p) + o));
 }
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -142,7 +172,7 @@ __device__ __forceinline__ float act_gated(int kind, float g, float u, float alp
 // routing: counting sort of (token, slot) pairs by local expert, and the GEMM tile list
 // ------------------------------------------------------------------------------------------------
 // Pair p's local expert (its global id through this rank's map), or -1: a dropped slot or another rank's.
-__device__ __forceinline__ int local_expert(const long long* __restrict__ ids, const int* __restrict__ local_map,
+__device__ __forceinline__ int local_expert(const long long* ids, const int* __restrict__ local_map,
                                             int num_experts, int p) {
   const long long g = ids[p];
   return (g >= 0 && g < num_experts) ? local_map[g] : -1;
@@ -151,7 +181,7 @@ __device__ __forceinline__ int local_expert(const long long* __restrict__ ids, c
 // The sort's two passes over pairs first, first + blockDim.x, ... below `end` (first: p0 + the thread's
 // index): count each local expert's pairs into `hist`, then place each pair at the next row `cursor`
 // hands out for its expert.
-__device__ __forceinline__ void align_count(const long long* __restrict__ ids, const int* __restrict__ local_map,
+__device__ __forceinline__ void align_count(const long long* ids, const int* __restrict__ local_map,
                                             int num_experts, int first, int end, int* hist) {
   for (int p = first; p < end; p += blockDim.x) {
     const int e = local_expert(ids, local_map, num_experts, p);
@@ -159,7 +189,7 @@ __device__ __forceinline__ void align_count(const long long* __restrict__ ids, c
   }
 }
 
-__device__ __forceinline__ void align_place(const long long* __restrict__ ids, const int* __restrict__ local_map,
+__device__ __forceinline__ void align_place(const long long* ids, const int* __restrict__ local_map,
                                             int num_experts, int first, int end, int* cursor,
                                             int* __restrict__ sorted_pair, int* __restrict__ sorted_expert,
                                             int* __restrict__ pair_pos) {
@@ -232,10 +262,11 @@ __device__ __forceinline__ void align_offsets(int cnt, int El, int bt, int* warp
 }
 
 extern "C" __global__ void __launch_bounds__(1024) moe_align(
-    const long long* __restrict__ ids, const int* __restrict__ local_map, int num_experts, int P, int El,
+    const long long* ids, const int* __restrict__ local_map, int num_experts, int P, int El,
     int bt, int* __restrict__ offs, int* __restrict__ sorted_pair, int* __restrict__ sorted_expert,
     int* __restrict__ pair_pos, int* __restrict__ tile_expert, int* __restrict__ tile_row,
     int* __restrict__ num_tiles) {
+  wait_then_release();
   __shared__ int hist[1024];
   __shared__ int cursor[1024];
   __shared__ int warp_sums[32];
@@ -259,9 +290,10 @@ extern "C" __global__ void __launch_bounds__(1024) moe_align(
 // then places each CTA's pairs from its rows. Same outputs as moe_align, up to the order of the pairs
 // of one expert (which no consumer depends on).
 extern "C" __global__ void __launch_bounds__(1024) moe_align_count(
-    const long long* __restrict__ ids, const int* __restrict__ local_map, int num_experts, int P, int El,
+    const long long* ids, const int* __restrict__ local_map, int num_experts, int P, int El,
     int bt, int cta_pairs, int* __restrict__ counts, unsigned int* __restrict__ ticket, int* __restrict__ offs,
     int* __restrict__ tile_expert, int* __restrict__ tile_row, int* __restrict__ num_tiles) {
+  wait_then_release();
   __shared__ int hist[1024];
   __shared__ int warp_sums[32];
   __shared__ bool last;
@@ -293,9 +325,10 @@ extern "C" __global__ void __launch_bounds__(1024) moe_align_count(
 }
 
 extern "C" __global__ void __launch_bounds__(1024) moe_align_scatter(
-    const long long* __restrict__ ids, const int* __restrict__ local_map, int num_experts, int P, int El,
-    int cta_pairs, const int* __restrict__ counts, int* __restrict__ sorted_pair,
+    const long long* ids, const int* __restrict__ local_map, int num_experts, int P, int El,
+    int cta_pairs, const int* counts, int* __restrict__ sorted_pair,
     int* __restrict__ sorted_expert, int* __restrict__ pair_pos) {
+  wait_then_release();
   __shared__ int cursor[1024];
   const int tid = threadIdx.x, cta = blockIdx.x;
   for (int e = tid; e < El; e += blockDim.x) cursor[e] = counts[(size_t)cta * El + e];
@@ -312,8 +345,9 @@ extern "C" __global__ void __launch_bounds__(1024) moe_align_scatter(
 // mode 2: one scale per row -> s [R]; codes permuted inside each 64-chunk so that chunk element
 //         32*s + 8*t + i lands at byte 16*t + 8*s + i (the k32 steps of the w4a8 GEMM).
 extern "C" __global__ void __launch_bounds__(128) quant_fp8_rows(
-    const u16* __restrict__ x, const int* __restrict__ valid_rows, u8* __restrict__ q, float* __restrict__ s,
+    const u16* x, const int* valid_rows, u8* __restrict__ q, float* __restrict__ s,
     int K, int mode) {
+  wait_then_release();
   const int r = blockIdx.x;
   if (valid_rows && r >= valid_rows[0]) return;
   const u16* row = x + (size_t)r * K;
@@ -382,8 +416,9 @@ extern "C" __global__ void __launch_bounds__(128) quant_fp8_rows(
 // prefill helpers around torch._grouped_mm (bf16): gather, activation, both on sorted rows
 // ------------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(128) gather_rows(
-    const u16* __restrict__ x, const int* __restrict__ sorted_pair, const int* __restrict__ offs_total,
+    const u16* x, const int* sorted_pair, const int* offs_total,
     u16* __restrict__ out, int K, int topk) {
+  wait_then_release();
   const int s = blockIdx.x;
   if (s >= offs_total[0]) return;
   const int tok = sorted_pair[s] / topk;
@@ -395,9 +430,10 @@ extern "C" __global__ void __launch_bounds__(128) gather_rows(
 // gu [R, N1] bf16 GEMM1 output (gated: gate/up interleaved per 8 channels), bias [El, N1] fp32 or
 // null -> h [R, I] bf16. One thread per 8 output channels.
 extern "C" __global__ void __launch_bounds__(128) act_rows(
-    const u16* __restrict__ gu, const float* __restrict__ bias, const int* __restrict__ sorted_expert,
-    const int* __restrict__ offs_total, u16* __restrict__ h, int I, int gated, int kind, float alpha,
+    const u16* gu, const float* __restrict__ bias, const int* sorted_expert,
+    const int* offs_total, u16* __restrict__ h, int I, int gated, int kind, float alpha,
     float limit) {
+  wait_then_release();
   const int s = blockIdx.x;
   if (s >= offs_total[0]) return;
   const int N1 = gated ? 2 * I : I;
@@ -444,9 +480,10 @@ extern "C" __global__ void __launch_bounds__(128) act_rows(
 // y is fp32 (ybf16 = 0) or bf16 (ybf16 = 1), rows in sorted order. One thread per 4 channels.
 // Pair tiles (pair_pos null): row p of y is pair p, its local expert read through ids and local_map.
 extern "C" __global__ void __launch_bounds__(256) moe_combine(
-    const void* __restrict__ y, int ybf16, const int* __restrict__ pair_pos, const int* __restrict__ sorted_expert,
-    const float* __restrict__ topk_w, const float* __restrict__ bias, u16* __restrict__ out, int H, int topk,
-    const long long* __restrict__ ids, const int* __restrict__ local_map, int num_experts) {
+    const void* y, int ybf16, const int* pair_pos, const int* sorted_expert,
+    const float* topk_w, const float* __restrict__ bias, u16* __restrict__ out, int H, int topk,
+    const long long* ids, const int* __restrict__ local_map, int num_experts) {
+  wait_then_release();
   const int t = blockIdx.y;
   const int c = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
   if (c >= H) return;
@@ -648,7 +685,7 @@ __device__ void route_topk(
 }
 
 extern "C" __global__ void __launch_bounds__(ROUTE_EPB * 32) moe_route(
-    const u16* __restrict__ x,            // [T, H] bf16
+    const u16* x,            // [T, H] bf16
     const void* __restrict__ w,           // [E, H] bf16 (w_fp32 = 0) or fp32
     const float* __restrict__ logit_bias, // [E] or null (gpt-oss router bias, added before rounding)
     const float* __restrict__ choice_bias,// [E] or null (sigmoid correction bias)
@@ -661,6 +698,10 @@ extern "C" __global__ void __launch_bounds__(ROUTE_EPB * 32) moe_route(
   const int lane = threadIdx.x & 31;
   const int e = blockIdx.x * ROUTE_EPB + (threadIdx.x >> 5);
   const int t = blockIdx.y;
+  // The router weight is no kernel's output: its rows head for L2 while the previous kernel ends.
+  const size_t wrow_bytes = (size_t)H * (w_fp32 ? 4 : 2);
+  if (e < E && t == 0) prefetch_l2(reinterpret_cast<const u8*>(w) + e * wrow_bytes, wrow_bytes, lane, 32);
+  wait_then_release();
   if (e < E) {
     const u16* xr = x + (size_t)t * H;
     float acc = 0.f;
@@ -775,10 +816,10 @@ template <int WF, int MT, int NT> struct Unroll {
 template <int WF, int AQ, int EPI, int MT, int NT, int SK, bool PT>
 __device__ __forceinline__ void moe_gemm_impl(
     const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2,
-    const u8* __restrict__ A, const float* __restrict__ AS, int a_by_token,
-    const int* __restrict__ sorted_pair, const int* __restrict__ offs, const int* __restrict__ tile_expert,
-    const int* __restrict__ tile_row, const int* __restrict__ num_tiles,
-    const long long* __restrict__ ids, const int* __restrict__ local_map, int num_experts, int pairs,
+    const u8* A, const float* AS, int a_by_token,
+    const int* sorted_pair, const int* offs, const int* tile_expert,
+    const int* tile_row, const int* num_tiles,
+    const long long* ids, const int* __restrict__ local_map, int num_experts, int pairs,
     const float* __restrict__ bias, void* __restrict__ out, int N, int K, int I, int topk, int kind,
     float alpha, float limit) {
   constexpr int BT = 8 * NT;
@@ -795,11 +836,18 @@ __device__ __forceinline__ void moe_gemm_impl(
   const int grp = warp / SK, ks = warp % SK;
   const int n_tiles16 = N / 16;   // gated: N = 2I and one m-tile holds 8 gate + 8 up rows
   const int nblocks = (n_tiles16 + GROUPS * MT - 1) / (GROUPS * MT);
+  const size_t wrow = (size_t)K * WTraits<WF>::CHUNK / 64;     // bytes per weight row
+  // GEMM1's tiles are its predecessor's output (moe_align, the router's ids), so it waits first. GEMM2 is
+  // launched right after GEMM1 (or after the quantization of GEMM1's output): its tiles and experts come
+  // from kernels that completed before GEMM1 passed its own wait, so it reads them at once, issues its first
+  // item's first weight loads while GEMM1 finishes, and waits before it loads the activations (GEMM1's
+  // output). Every thread waits before it exits, so that this grid never completes ahead of GEMM1.
+  bool waited = EPI != EPI_DOWN;
+  if (waited) wait_then_release();
   const int items = (PT ? pairs : num_tiles[0]) * nblocks;
   const int nch = K / 64;
   const int kc0 = ks * nch / SK, kc1 = (ks + 1) * nch / SK;   // this warp's chunks [kc0, kc1)
   __shared__ float red[SK > 1 ? 4 : 1][SK > 1 ? MT * NT * 4 : 1][32];
-  const size_t wrow = (size_t)K * WTraits<WF>::CHUNK / 64;     // bytes per weight row
   // bytes from row r to row r + 1 of an m-tile at the same chunk (tiled FP4: the next 32 bytes)
   const size_t rstep = WTraits<WF>::STEP == WTraits<WF>::CHUNK ? wrow : WTraits<WF>::CHUNK;
   const size_t arow_bytes = (size_t)K * ATraits<AQ>::CHUNK / 64;
@@ -868,13 +916,12 @@ __device__ __forceinline__ void moe_gemm_impl(
 
     // Software pipeline over groups of U chunks: the next group's loads are issued before the
     // current group is computed (two register buffers), so every warp keeps 2U chunks in flight.
-    auto load_group = [&](int c0, u32 (&w)[U][MT][2][WW], u32 (&a)[U][NT][AW], u32 (&sc)[U][MT][2]) {
+    auto load_weights = [&](int c0, u32 (&w)[U][MT][2][WW], u32 (&sc)[U][MT][2]) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int c = c0 + u;
           if (c < kc1) {
             load_w<WF, MT>(wp, c, w[u]);
-            load_a<AQ, NT>(ap, c, a[u]);
             if constexpr (WF == WF_MXFP4 || WF == WF_NVFP4) {
 #pragma unroll
               for (int m = 0; m < MT; ++m)
@@ -893,6 +940,15 @@ __device__ __forceinline__ void moe_gemm_impl(
             }
           }
         }
+    };
+    auto load_acts = [&](int c0, u32 (&a)[U][NT][AW]) {
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (c0 + u < kc1) load_a<AQ, NT>(ap, c0 + u, a[u]);
+    };
+    auto load_group = [&](int c0, u32 (&w)[U][MT][2][WW], u32 (&a)[U][NT][AW], u32 (&sc)[U][MT][2]) {
+      load_weights(c0, w, sc);
+      load_acts(c0, a);
     };
     auto compute_group = [&](int c0, u32 (&w)[U][MT][2][WW], u32 (&a)[U][NT][AW], u32 (&sc)[U][MT][2]) {
 #pragma unroll
@@ -1005,7 +1061,12 @@ __device__ __forceinline__ void moe_gemm_impl(
     };
     u32 wA[U][MT][2][WW], aA[U][NT][AW], sA[U][MT][2];
     u32 wB[U][MT][2][WW], aB[U][NT][AW], sB[U][MT][2];
-    load_group(kc0, wA, aA, sA);
+    load_weights(kc0, wA, sA);
+    if (!waited) {
+      wait_then_release();
+      waited = true;
+    }
+    load_acts(kc0, aA);
     for (int c0 = kc0; c0 < kc1; c0 += 2 * U) {
       if (c0 + U < kc1) load_group(c0 + U, wB, aB, sB);
       compute_group(c0, wA, aA, sA);
@@ -1094,14 +1155,15 @@ __device__ __forceinline__ void moe_gemm_impl(
       }
     }
   }
+  if (!waited) grid_dependency_wait();   // no item here: still never complete ahead of the previous kernel
 }
 
 #define MOE_GEMM_KERNEL(NAME, WF, AQ, EPI, MT, NT, SK)                                                      \
   extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                               \
       const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2,                 \
-      const u8* __restrict__ A, const float* __restrict__ AS, int a_by_token,                              \
-      const int* __restrict__ sorted_pair, const int* __restrict__ offs, const int* __restrict__ tile_expert, \
-      const int* __restrict__ tile_row, const int* __restrict__ num_tiles, const float* __restrict__ bias,   \
+      const u8* A, const float* AS, int a_by_token,                              \
+      const int* sorted_pair, const int* offs, const int* tile_expert, \
+      const int* tile_row, const int* num_tiles, const float* __restrict__ bias,   \
       void* __restrict__ out, int N, int K, int I, int topk, int kind, float alpha, float limit) {          \
     moe_gemm_impl<WF, AQ, EPI, MT, NT, SK, false>(W, WS, WS2, A, AS, a_by_token, sorted_pair, offs, tile_expert, \
                                               tile_row, num_tiles, nullptr, nullptr, 0, 0, bias, out, N, K, I,    \
@@ -1116,8 +1178,8 @@ __device__ __forceinline__ void moe_gemm_impl(
 #define MOE_GEMM_INSTANCE_PAIRS(WF, AQ, EPI, SK)                                                            \
   extern "C" __global__ void __launch_bounds__(THREADS) moe_gemm_##WF##_##AQ##_##EPI##_1_1_##SK##_pairs(    \
       const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2,                 \
-      const u8* __restrict__ A, const float* __restrict__ AS, int a_by_token,                              \
-      const long long* __restrict__ ids, const int* __restrict__ local_map, int num_experts, int pairs,     \
+      const u8* A, const float* AS, int a_by_token,                              \
+      const long long* ids, const int* __restrict__ local_map, int num_experts, int pairs,     \
       const float* __restrict__ bias, void* __restrict__ out, int N, int K, int I, int topk, int kind,      \
       float alpha, float limit) {                                                                           \
     moe_gemm_impl<WF, AQ, EPI, 1, 1, SK, true>(W, WS, WS2, A, AS, a_by_token, nullptr, nullptr, nullptr,     \

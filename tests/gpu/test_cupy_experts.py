@@ -259,6 +259,56 @@ def test_cuda_graph_capture_and_replay(tokens):
     assert_graph_replay_matches_eager(module, spec, tokens)
 
 
+@pytest.mark.parametrize("tokens", [1, 8, 64, 600])
+@pytest.mark.parametrize("cls", CUPY_EXPERTS, ids=lambda c: c.FORMAT)
+def test_chained_layers_replay_with_overlapped_launches_as_eager(cls, tokens):
+    """Two router + experts layers, the second routing the first one's output, captured in one CUDA graph.
+    There each of our kernels starts while its predecessor ends (programmatic dependent launch,
+    runtime/kernels/driver.py); the host launches eager calls too slowly for that. A kernel reading its
+    predecessor's output before its wait, or a GEMM2 whose early reads (tiles, experts, L2 prefetch) were
+    not final, gives other bits in the replays. Up to 64 tokens the router is the fused kernel; 600 tokens
+    (2400 pairs) take torch's router and the multi-CTA sort."""
+    from runtime.kernels import router as router_kernel
+
+    h, i = SHAPES.get(cls.FORMAT, DEFAULT_SHAPE)
+    spec = MoeShape(h, i, 16, 4, "silu_glu")
+    module = _module(cls, spec, make_expert_tensors(spec, cls.FORMAT, seed=71))
+    module.debug_poison = False
+    gate = (torch.randn(spec.num_experts, h, generator=torch.Generator().manual_seed(72)) / h ** 0.5).bfloat16().cuda()
+    x = torch.empty(tokens, h, dtype=torch.bfloat16, device="cuda")
+
+    def two_layers():
+        y = x
+        for _ in range(2):
+            if router_kernel.applies(y, gate, spec.top_k):
+                ids, weights = router_kernel.route(y, gate, spec.top_k, router_kernel.SOFTMAX, round_logits=True,
+                                                   renormalize=True)
+            else:
+                weights, ids = torch.softmax((y @ gate.t()).float(), dim=-1).topk(spec.top_k, dim=-1)
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            y = module(y, ids, weights) * 4.0   # keeps the second layer's input at the first one's scale
+        return y
+
+    x.copy_(random_hidden(tokens, spec, seed=73))
+    module.prepare("cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        two_layers()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = two_layers()
+    for seed in range(74, 82):
+        x.copy_(random_hidden(tokens, spec, seed=seed))
+        graph.replay()
+        replayed = out.clone()
+        eager = two_layers()
+        torch.cuda.synchronize()
+        assert not eager.isnan().any()
+        assert torch.equal(replayed.view(torch.int16), eager.view(torch.int16)), (seed, cls.FORMAT, tokens)
+
+
 @pytest.mark.parametrize("cls", CUPY_EXPERTS, ids=lambda c: c.FORMAT)
 def test_ep_ranks_and_tp_shards_sum_to_the_whole(cls):
     h, i = (256, 256) if cls.FORMAT == "fp8_block_scales" else (192, 128)

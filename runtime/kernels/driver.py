@@ -1,0 +1,89 @@
+"""Kernel launches through the CUDA driver's `cuLaunchKernelEx` (ctypes) with programmatic dependent launch on.
+
+CuPy's launcher takes no launch attributes, and the one this module sets,
+`CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`, lets a kernel start while the previous kernel of
+the stream is still running, once every CTA of that kernel has executed `griddepcontrol.launch_dependents`.
+The kernels of moe_kernels.cu are written for it: each waits (`griddepcontrol.wait`) before it reads what
+an earlier kernel wrote, so starting early only overlaps its launch, and the L2 prefetches placed before
+its wait, with the previous kernel's tail. A CUDA-graph capture records the overlap as a programmatic edge,
+so a replayed decode step gets it too. The arguments are the numpy scalars the callers pass (pointers as
+uint64, int32, float32), packed with C alignment as the kernel's parameters.
+"""
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import numpy as np
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CUlaunchAttributeID, cuda.h
+_CODES = {np.uint64: "Q", np.int32: "i", np.float32: "f"}
+
+
+class _AttributeValue(ctypes.Union):
+    # CUlaunchAttributeValue: 64 bytes, pointer-aligned
+    _fields_ = [("pad", ctypes.c_char * 64), ("pointer", ctypes.c_void_p), ("i32", ctypes.c_int)]
+
+
+class _Attribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttributeValue)]
+
+
+class _Config(ctypes.Structure):
+    # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared_mem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_ATTRIBUTE = _Attribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
+_ATTRIBUTE.value.i32 = 1
+_LAYOUTS: dict = {}
+_LIBCUDA: list = []
+
+
+def _layout(types: tuple) -> tuple:
+    """(struct packer, byte offset of each parameter, pointer-array type) for kernel parameters of `types`."""
+    layout = _LAYOUTS.get(types)
+    if layout is None:
+        unknown = [t.__name__ for t in types if t not in _CODES]
+        if unknown:
+            raise TypeError(f"kernel arguments must be numpy uint64, int32 or float32 scalars, not {', '.join(unknown)}")
+        offsets, end = [], 0
+        for t in types:
+            size = struct.calcsize(_CODES[t])
+            end = -(-end // size) * size   # C alignment: each scalar at a multiple of its size
+            offsets.append(end)
+            end += size
+        packer = struct.Struct("@" + "".join(_CODES[t] for t in types))
+        layout = _LAYOUTS[types] = (packer, tuple(offsets), ctypes.c_void_p * max(1, len(types)))
+    return layout
+
+
+def pack(args: tuple) -> tuple[ctypes.Array, ctypes.Array]:
+    """(the parameter bytes, the array of pointers to each parameter) that cuLaunchKernelEx reads; keep both
+    alive until the launch returns."""
+    packer, offsets, pointers = _layout(tuple(type(a) for a in args))
+    buffer = ctypes.create_string_buffer(packer.pack(*args), max(1, packer.size))
+    base = ctypes.addressof(buffer)
+    return buffer, pointers(*(base + o for o in offsets))
+
+
+def _launch_fn():
+    if not _LIBCUDA:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        fn.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        _LIBCUDA.append(fn)
+    return _LIBCUDA[0]
+
+
+def launch(function_ptr: int, grid, block, args: tuple, stream_ptr: int, shared_mem: int, name: str) -> None:
+    """Launch the CUfunction `function_ptr` on stream `stream_ptr` (of the current context) with PDL on."""
+    grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+    block = tuple(int(b) for b in block) + (1,) * (3 - len(block))
+    config = _Config((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem, stream_ptr,
+                     ctypes.pointer(_ATTRIBUTE), 1)
+    params = pack(args)   # held until the call returns
+    status = _launch_fn()(ctypes.byref(config), function_ptr, params[1], None)
+    if status:
+        raise RuntimeError(f"cuLaunchKernelEx of {name} (grid {grid}, block {block}) failed: CUDA error {status}")
