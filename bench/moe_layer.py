@@ -149,6 +149,24 @@ def time_graphs(fns, samples=SAMPLES, batch=BATCH):
     return times[len(times) // 2]
 
 
+def replay_matches_eager(fn):
+    """Whether `fn`'s CUDA-graph replay gives its eager output bit for bit: a replay that overlapped its
+    kernels wrongly, or skipped work, would not (the timings replay graphs, the tests check small shapes)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    replayed = out.clone()
+    eager = fn()
+    torch.cuda.synchronize()
+    return bool(torch.equal(replayed, eager))
+
+
 def time_eager(fn, reps=20):
     fn()
     torch.cuda.synchronize()
@@ -653,6 +671,7 @@ def run(args):
                                 ours = time_graphs([(lambda m: lambda: m(x, *router.fused(x)))(m) for m in mods])
                                 ours_torch_router = (time_graphs([(lambda m: lambda: m(x, *router(x)))(m) for m in mods])
                                                      if router_kernel.applies(x, router.w, k) else ours)
+                                replay_ok = replay_matches_eager(lambda: mods[0](x, *router.fused(x)))
                         except Exception as exc:   # noqa: BLE001
                             result["errors"].append(f"ours {shape} {fmt} T={t} {r}: {exc!r}"[:300])
                             log("ERROR ours", shape, fmt, t, r, exc)
@@ -668,7 +687,7 @@ def run(args):
                         best = min(peers.items(), key=lambda kv: kv[1]) if peers else (None, None)
                         vl = vllm_us(shape, fmt, t, r)
                         cell = {"shape": shape, "format": fmt, "tokens": t, "routing": r, "ours_us": ours,
-                                "ours_torch_router_us": ours_torch_router,
+                                "ours_torch_router_us": ours_torch_router, "replay_matches_eager": replay_ok,
                                 "path": path, "tile": tile, "active_experts": e_act, "weight_bytes": w_bytes,
                                 "flops": flops, "t_lb_us": t_lb, "r_roof": t_lb / ours,
                                 "best_peer": best[0], "best_peer_us": best[1],
@@ -679,7 +698,8 @@ def run(args):
                         log(f"{shape} {fmt:16s} T={t:5d} {r:7s} ours {ours:9.1f} us (torch router {ours_torch_router:.1f})  "
                             f"lb {t_lb:8.1f}  "
                             f"R_roof {cell['r_roof']:.2f}  peer {best[0]} {best[1] or 0:.1f}  "
-                            f"R_peer {cell['r_peer'] or 0:.2f}  R_peer(vLLM) {cell['r_peer_vllm'] or 0:.2f}  [{path} {tile}]")
+                            f"R_peer {cell['r_peer'] or 0:.2f}  R_peer(vLLM) {cell['r_peer_vllm'] or 0:.2f}  [{path} {tile}]"
+                            f"{'' if replay_ok else '  REPLAY DIFFERS FROM EAGER'}")
 
             measure(fmt)
             gc.collect()
@@ -695,15 +715,15 @@ def markdown(result):
     lines = [f"GPU {result['gpu']} ({result['sms']} SMs), torch {result['torch']}, commit {result['commit']}, "
              f"{result['date']}. Ceilings measured in the same run: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
              f"bf16 {c['bf16_flops'] / 1e12:.0f} TFLOP/s, fp8 {(c['fp8_flops'] or 0) / 1e12:.0f} TFLOP/s.", "",
-             "| shape | format | routing | tokens | ours µs | ours with torch's router µs | vLLM Triton µs (note) | R_peer vs vLLM | best in-process peer µs (which) | T_lb µs | R_roof | R_peer in-process | TB/s | TFLOP/s | impl, path, tile |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| shape | format | routing | tokens | ours µs | replay = eager | ours with torch's router µs | vLLM Triton µs (note) | R_peer vs vLLM | best in-process peer µs (which) | T_lb µs | R_roof | R_peer in-process | TB/s | TFLOP/s | impl, path, tile |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in result["cells"]:
         peer = f"{x['best_peer_us']:.1f} ({x['best_peer']})" if x["best_peer_us"] else "-"
         rpeer = f"{x['r_peer']:.2f}" if x["r_peer"] else "-"
         vl = f"{x['vllm_us']:.0f}" if x.get("vllm_us") else "-"
         rvl = f"{x['r_peer_vllm']:.2f}" if x.get("r_peer_vllm") else "-"
         lines.append(f"| {x['shape']} | {x['format']} | {x['routing']} | {x['tokens']} | {x['ours_us']:.1f} | "
-                     f"{x['ours_torch_router_us']:.1f} | {vl} | {rvl} | "
+                     f"{'yes' if x['replay_matches_eager'] else 'NO'} | {x['ours_torch_router_us']:.1f} | {vl} | {rvl} | "
                      f"{peer} | {x['t_lb_us']:.1f} | {x['r_roof']:.2f} | {rpeer} | {x['tb_per_s']:.2f} | {x['tflops']:.0f} | "
                      f"{x.get('impl', '')} {x['path']} {x['tile']} |")
     if result["missing"]:
