@@ -46,6 +46,7 @@ from runtime.experts.base import MoeShape  # noqa: E402
 from runtime.experts.cupy_mma import (CupyMmaBf16Experts, CupyMmaFp8BlockScalesExperts,  # noqa: E402
                                       CupyMmaW4a8Mxfp4Fp8Experts, CupyMmaW4a16Mxfp4Experts,
                                       CupyMmaW4a16Nvfp4Experts)
+from runtime.graphs import capture  # noqa: E402
 from runtime.kernels import router as router_kernel  # noqa: E402
 from runtime.experts.triton_grouped import (TritonWgmmaBf16Experts, TritonWgmmaFp8BlockScalesExperts,  # noqa: E402
                                             TritonWgmmaW4a16Mxfp4Experts)
@@ -152,14 +153,7 @@ def time_graphs(fns, samples=SAMPLES, batch=BATCH):
 def replay_matches_eager(fn):
     """Whether `fn`'s CUDA-graph replay gives its eager output bit for bit: a replay that overlapped its
     kernels wrongly, or skipped work, would not (the timings replay graphs, the tests check small shapes)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    graph, out = capture(fn)
     graph.replay()
     replayed = out.clone()
     eager = fn()

@@ -268,6 +268,7 @@ def test_chained_layers_replay_with_overlapped_launches_as_eager(cls, tokens):
     predecessor's output before its wait, or a GEMM2 whose early reads (tiles, experts, L2 prefetch) were
     not final, gives other bits in the replays. Up to 64 tokens the router is the fused kernel; 600 tokens
     (2400 pairs) take torch's router and the multi-CTA sort."""
+    from runtime.graphs import capture
     from runtime.kernels import router as router_kernel
 
     h, i = SHAPES.get(cls.FORMAT, DEFAULT_SHAPE)
@@ -291,14 +292,7 @@ def test_chained_layers_replay_with_overlapped_launches_as_eager(cls, tokens):
 
     x.copy_(random_hidden(tokens, spec, seed=73))
     module.prepare("cuda")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        two_layers()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = two_layers()
+    graph, out = capture(two_layers)
     for seed in range(74, 82):
         x.copy_(random_hidden(tokens, spec, seed=seed))
         graph.replay()
