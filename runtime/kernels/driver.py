@@ -4,15 +4,16 @@ CuPy's launcher takes no launch attributes, and the one this module sets,
 `CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION`, lets a kernel start while the previous kernel of
 the stream is still running, once every CTA of that kernel has executed `griddepcontrol.launch_dependents`.
 The kernels of moe_kernels.cu are written for it: each waits (`griddepcontrol.wait`) before it reads what
-an earlier kernel wrote, so starting early only overlaps its launch, and the L2 prefetches placed before
-its wait, with the previous kernel's tail. A CUDA-graph capture records the overlap as a programmatic edge,
-so a replayed decode step gets it too. The arguments are the numpy scalars the callers pass (pointers as
+an earlier kernel wrote, so starting early overlaps with the previous kernel's tail only its launch and
+what comes before its wait (GEMM2's first weight loads, the router's weight prefetch). A CUDA-graph capture
+records the overlap as a programmatic edge, so a replayed decode step gets it too. The arguments are the numpy scalars the callers pass (pointers as
 uint64, int32, float32), packed with C alignment as the kernel's parameters.
 """
 from __future__ import annotations
 
 import ctypes
 import struct
+import threading
 
 import numpy as np
 
@@ -41,6 +42,21 @@ _LAYOUTS: dict = {}
 _LIBCUDA: list = []
 
 
+class _Reused(threading.local):
+    """Per thread (the driver call releases the GIL): one launch configuration and, per argument types, one
+    parameter buffer with its pointer array, rewritten at each launch. The driver copies the parameters when
+    it launches or captures, so they may change once the call returns; allocating them per launch cost
+    about half of the launch's host time."""
+
+    def __init__(self):
+        self.config = _Config(attrs=ctypes.pointer(_ATTRIBUTE), num_attrs=1)
+        self.config_ref = ctypes.byref(self.config)
+        self.params: dict = {}
+
+
+_REUSED = _Reused()
+
+
 def _layout(types: tuple) -> tuple:
     """(struct packer, byte offset of each parameter, pointer-array type) for kernel parameters of `types`."""
     layout = _LAYOUTS.get(types)
@@ -60,12 +76,17 @@ def _layout(types: tuple) -> tuple:
 
 
 def pack(args: tuple) -> tuple[ctypes.Array, ctypes.Array]:
-    """(the parameter bytes, the array of pointers to each parameter) that cuLaunchKernelEx reads; keep both
-    alive until the launch returns."""
-    packer, offsets, pointers = _layout(tuple(type(a) for a in args))
-    buffer = ctypes.create_string_buffer(packer.pack(*args), max(1, packer.size))
-    base = ctypes.addressof(buffer)
-    return buffer, pointers(*(base + o for o in offsets))
+    """(the parameter bytes, the array of pointers to each parameter) that cuLaunchKernelEx reads: this
+    thread's buffers for these argument types, valid until its next launch with the same types."""
+    types = tuple(map(type, args))
+    held = _REUSED.params.get(types)
+    if held is None:
+        packer, offsets, pointers = _layout(types)
+        buffer = ctypes.create_string_buffer(max(1, packer.size))
+        base = ctypes.addressof(buffer)
+        held = _REUSED.params[types] = (packer, buffer, pointers(*(base + o for o in offsets)))
+    held[0].pack_into(held[1], 0, *args)
+    return held[1], held[2]
 
 
 def _launch_fn():
@@ -79,11 +100,12 @@ def _launch_fn():
 
 def launch(function_ptr: int, grid, block, args: tuple, stream_ptr: int, shared_mem: int, name: str) -> None:
     """Launch the CUfunction `function_ptr` on stream `stream_ptr` (of the current context) with PDL on."""
-    grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
-    block = tuple(int(b) for b in block) + (1,) * (3 - len(block))
-    config = _Config((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), shared_mem, stream_ptr,
-                     ctypes.pointer(_ATTRIBUTE), 1)
-    params = pack(args)   # held until the call returns
-    status = _launch_fn()(ctypes.byref(config), function_ptr, params[1], None)
+    config = _REUSED.config
+    config.grid[:] = (*grid, 1, 1)[:3]
+    config.block[:] = (*block, 1, 1)[:3]
+    config.shared_mem = shared_mem
+    config.stream = stream_ptr
+    status = _launch_fn()(_REUSED.config_ref, function_ptr, pack(args)[1], None)
     if status:
-        raise RuntimeError(f"cuLaunchKernelEx of {name} (grid {grid}, block {block}) failed: CUDA error {status}")
+        raise RuntimeError(f"cuLaunchKernelEx of {name} (grid {tuple(grid)}, block {tuple(block)}) failed: "
+                           f"CUDA error {status}")

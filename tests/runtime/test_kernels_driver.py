@@ -50,6 +50,42 @@ def test_arguments_pack_with_c_alignment_and_point_at_their_bytes():
         assert struct.unpack_from("@" + code, raw, offset)[0] == arg
 
 
+def test_a_launch_hands_the_driver_its_grid_stream_pdl_attribute_and_arguments(monkeypatch):
+    """cuLaunchKernelEx replaced by a recorder: what launch() passes it, twice (the buffers are reused)."""
+    seen = []
+
+    def recorder(config, function, params, extra):
+        config = config._obj   # the byref() handed to the driver
+        pointers = ctypes.cast(params, ctypes.POINTER(ctypes.c_void_p))
+        seen.append({"grid": list(config.grid), "block": list(config.block), "shared": config.shared_mem,
+                     "stream": config.stream, "attrs": [(config.attrs[i].id, config.attrs[i].value.i32)
+                                                        for i in range(config.num_attrs)],
+                     "function": function, "extra": extra,
+                     "args": (ctypes.c_int32.from_address(pointers[0]).value,
+                              ctypes.c_uint64.from_address(pointers[1]).value,
+                              ctypes.c_float.from_address(pointers[2]).value)})
+        return 0
+
+    monkeypatch.setattr(driver, "_LIBCUDA", [recorder])
+    rng = np.random.default_rng(11)
+    calls = [((np.int64(rng.integers(1, 1000)), 3), (128,), (np.int32(rng.integers(-99, 99)),
+              np.uint64(rng.integers(0, 2**63)), np.float32(rng.standard_normal())), 4096, 8 * 128),
+             ((7,), (256, 2), (np.int32(5), np.uint64(1), np.float32(0.25)), 0, 0)]
+    for grid, block, args, stream, shared in calls:
+        driver.launch(0xABC, grid, block, args, stream, shared, "k")
+    for (grid, block, args, stream, shared), got in zip(calls, seen):
+        assert got == {"grid": [int(g) for g in grid] + [1] * (3 - len(grid)), "block": list(block) + [1] * (3 - len(block)),
+                       "shared": shared, "stream": stream or None, "attrs": [(driver.PROGRAMMATIC_STREAM_SERIALIZATION, 1)],
+                       "function": 0xABC, "extra": None, "args": (int(args[0]), int(args[1]), float(args[2]))}
+
+
+def test_a_failed_launch_names_the_kernel_and_the_error(monkeypatch):
+    monkeypatch.setattr(driver, "_LIBCUDA", [lambda *a: 1])   # CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(RuntimeError) as err:
+        driver.launch(1, (2,), (128,), (np.int32(1),), 0, 0, "moe_combine")
+    assert str(err.value) == "cuLaunchKernelEx of moe_combine (grid (2,), block (128,)) failed: CUDA error 1"
+
+
 def test_a_python_int_argument_is_refused_by_name():
     with pytest.raises(TypeError) as err:
         driver.pack((np.int32(1), 3, 2.0))
