@@ -673,7 +673,7 @@ def main() -> None:
     parser.add_argument("--hf-experts", default="", help="also compile transformers with these experts "
                         "implementations (comma-separated, e.g. batched_mm), each timed as its own row")
     parser.add_argument("--profile", action="store_true",
-                        help="each build's kernel times (decode steps at B=1 and 32, prefill) and prefill's host time")
+                        help="each build's kernel times (decode steps at B=1, 8 and 32, prefill) and prefill's host time")
     parser.add_argument("--no-spec", action="store_true", help="leave out the speculative decoding timings")
     parser.add_argument("--spec-k", default="1,3", help="draft tokens per round to time (comma-separated)")
     parser.add_argument("--no-micro", action="store_true", help="leave out the attention micro-benchmark")
@@ -726,7 +726,7 @@ def main() -> None:
                     report["speculative_error"] = traceback.format_exc()
                     print(report["speculative_error"], flush=True)
             if args.profile:
-                profiled = {f"b{b}": profile_step(model, ids, b) for b in (1, 32)}
+                profiled = {f"b{b}": profile_step(model, ids, b) for b in BATCHES}
                 profiled["prefill"] = profile_prefill(model, ids)
                 report.setdefault("profile", {})[variant] = profiled
                 print(json.dumps({"profile": {variant: profiled}}, indent=1), flush=True)
