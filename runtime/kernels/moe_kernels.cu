@@ -25,6 +25,9 @@
 //  * pair tiles (the `_pairs` entry points) skip the sort for one-token calls, whose top-k experts
 //    are distinct: tile p is routing pair p (its expert read from the ids, one row), so neither GEMM
 //    nor moe_combine needs moe_align's arrays, and the call has one launch fewer.
+//  * every kernel is launched with programmatic dependent launch and waits (griddepcontrol.wait) before
+//    it reads an earlier kernel's output, with coherent loads only; GEMM2 issues its first weight loads
+//    before its wait, overlapping GEMM1's end.
 
 typedef unsigned char u8;
 typedef unsigned short u16;
@@ -96,7 +99,7 @@ __device__ __forceinline__ uint4 ldg16(const void* p) {
   return v;
 }
 
-// Programmatic dependent launch (runtime/kernels/__init__.py launches every kernel of this module with
+// Programmatic dependent launch (runtime/kernels/driver.py launches every kernel of this module with
 // it): a kernel may start while the previous kernel of the stream finishes, so each one waits for its
 // predecessor's completion (and memory) before touching anything that kernel, or one before it, writes,
 // and then lets its own successor start. Both are no-ops for a launch without the attribute.
@@ -685,7 +688,7 @@ __device__ void route_topk(
 }
 
 extern "C" __global__ void __launch_bounds__(ROUTE_EPB * 32) moe_route(
-    const u16* x,            // [T, H] bf16
+    const u16* x,                         // [T, H] bf16
     const void* __restrict__ w,           // [E, H] bf16 (w_fp32 = 0) or fp32
     const float* __restrict__ logit_bias, // [E] or null (gpt-oss router bias, added before rounding)
     const float* __restrict__ choice_bias,// [E] or null (sigmoid correction bias)
@@ -1160,29 +1163,29 @@ __device__ __forceinline__ void moe_gemm_impl(
 
 #define MOE_GEMM_KERNEL(NAME, WF, AQ, EPI, MT, NT, SK)                                                      \
   extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                               \
-      const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2,                 \
-      const u8* A, const float* AS, int a_by_token,                              \
-      const int* sorted_pair, const int* offs, const int* tile_expert, \
-      const int* tile_row, const int* num_tiles, const float* __restrict__ bias,   \
+      const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2,                   \
+      const u8* A, const float* AS, int a_by_token,                                                         \
+      const int* sorted_pair, const int* offs, const int* tile_expert,                                      \
+      const int* tile_row, const int* num_tiles, const float* __restrict__ bias,                            \
       void* __restrict__ out, int N, int K, int I, int topk, int kind, float alpha, float limit) {          \
     moe_gemm_impl<WF, AQ, EPI, MT, NT, SK, false>(W, WS, WS2, A, AS, a_by_token, sorted_pair, offs, tile_expert, \
-                                              tile_row, num_tiles, nullptr, nullptr, 0, 0, bias, out, N, K, I,    \
-                                              topk, kind, alpha, limit);                                          \
+                                              tile_row, num_tiles, nullptr, nullptr, 0, 0, bias, out, N, K, I, \
+                                              topk, kind, alpha, limit);                                    \
   }
-#define MOE_GEMM_INSTANCE(WF, AQ, EPI, MT, NT) \
+#define MOE_GEMM_INSTANCE(WF, AQ, EPI, MT, NT)                                                              \
   MOE_GEMM_KERNEL(moe_gemm_##WF##_##AQ##_##EPI##_##MT##_##NT, WF, AQ, EPI, MT, NT, 1)
 // split-K variants: the name carries SK as a sixth number
-#define MOE_GEMM_INSTANCE_SPLIT(WF, AQ, EPI, MT, NT, SK) \
+#define MOE_GEMM_INSTANCE_SPLIT(WF, AQ, EPI, MT, NT, SK)                                                    \
   MOE_GEMM_KERNEL(moe_gemm_##WF##_##AQ##_##EPI##_##MT##_##NT##_##SK, WF, AQ, EPI, MT, NT, SK)
 // pair tiles (one-token calls, no moe_align): the (1, 1) warp tile, named with its SK and `pairs`
 #define MOE_GEMM_INSTANCE_PAIRS(WF, AQ, EPI, SK)                                                            \
   extern "C" __global__ void __launch_bounds__(THREADS) moe_gemm_##WF##_##AQ##_##EPI##_1_1_##SK##_pairs(    \
-      const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2,                 \
-      const u8* A, const float* AS, int a_by_token,                              \
-      const long long* ids, const int* __restrict__ local_map, int num_experts, int pairs,     \
+      const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2,                   \
+      const u8* A, const float* AS, int a_by_token,                                                         \
+      const long long* ids, const int* __restrict__ local_map, int num_experts, int pairs,                  \
       const float* __restrict__ bias, void* __restrict__ out, int N, int K, int I, int topk, int kind,      \
       float alpha, float limit) {                                                                           \
-    moe_gemm_impl<WF, AQ, EPI, 1, 1, SK, true>(W, WS, WS2, A, AS, a_by_token, nullptr, nullptr, nullptr,     \
+    moe_gemm_impl<WF, AQ, EPI, 1, 1, SK, true>(W, WS, WS2, A, AS, a_by_token, nullptr, nullptr, nullptr,    \
                                              nullptr, nullptr, ids, local_map, num_experts, pairs, bias,    \
                                              out, N, K, I, topk, kind, alpha, limit);                       \
   }
