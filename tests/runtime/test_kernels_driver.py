@@ -1,6 +1,7 @@
 """The driver launch path of the CUPY kernels (runtime/kernels/driver.py) on a machine without a GPU: its
-ctypes structures against cuda.h as the host C compiler lays them out, the packing of kernel arguments,
-and the kernel source's side of programmatic dependent launch (every kernel waits for its predecessor)."""
+ctypes structures against cuda.h as the host C compiler lays them out, the packing of kernel arguments, a
+launch with the driver call replaced by a recorder, and the kernels' side of programmatic dependent launch:
+every kernel waits for its predecessor in the source and, where cuobjdump is (the GPU machine), in SASS."""
 import ctypes
 import re
 import shutil
