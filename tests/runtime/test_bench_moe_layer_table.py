@@ -1,0 +1,35 @@
+"""bench/moe_layer.py's report table on the CPU: a cell as `run` records it becomes one row with both of ours'
+times (the build's router and torch's) and whether the replayed graph gave the eager call's bits, so a GPU run
+spends no device time on a table that fails to print."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+import moe_layer  # noqa: E402  (bench/moe_layer.py)
+
+
+def _cell(**over):
+    cell = {"shape": "Q", "format": "w4a16_mxfp4", "tokens": 1, "routing": "uniform", "ours_us": 28.6,
+            "ours_torch_router_us": 41.6, "replay_matches_eager": True, "path": "pairs", "tile": (1, 1),
+            "active_experts": 8, "weight_bytes": 2.0e7, "flops": 7.5e7, "t_lb_us": 4.7, "r_roof": 0.164,
+            "best_peer": "torch_pipeline", "best_peer_us": 122.5, "r_peer": 4.28, "impl": "cupy.mma.grouped_gemm.w4a16_mxfp4",
+            "vllm_us": None, "r_peer_vllm": None, "tflops": 2.6, "tb_per_s": 0.7}
+    cell.update(over)
+    return cell
+
+
+def test_the_table_gives_each_cell_its_row_with_both_routers_and_the_replay_check():
+    result = {"gpu": "NVIDIA H200", "sms": 132, "torch": "2.11.0", "commit": "abc1234", "date": "2026-12-02",
+              "ceilings": {"copy_bytes_per_s": 4.25e12, "bf16_flops": 7.7e14, "fp8_flops": 1.46e15},
+              "cells": [_cell(), _cell(format="bf16", ours_us=37.1, ours_torch_router_us=51.5, replay_matches_eager=False,
+                                       vllm_us=57.0, r_peer_vllm=57.0 / 37.1)],
+              "missing": [], "errors": []}
+    lines = moe_layer.markdown(result).splitlines()
+    header, rule, first, second = lines[2:6]
+    assert header.split(" | ")[4:7] == ["ours µs", "replay = eager", "ours with torch's router µs"]
+    assert header.count("|") == rule.count("|") == first.count("|") == second.count("|")
+    assert first.startswith("| Q | w4a16_mxfp4 | uniform | 1 | 28.6 | yes | 41.6 | - | - | 122.5 (torch_pipeline) |")
+    assert second.startswith("| Q | bf16 | uniform | 1 | 37.1 | NO | 51.5 | 57 | 1.54 |")
