@@ -5,7 +5,7 @@ CuPy's launcher takes no launch attributes, and the one this module sets,
 the stream is still running, once every CTA of that kernel has executed `griddepcontrol.launch_dependents`.
 The kernels of moe_kernels.cu are written for it: each waits (`griddepcontrol.wait`) before it reads what
 an earlier kernel wrote, so starting early overlaps with the previous kernel's tail only its launch and
-what comes before its wait (GEMM2's first weight loads, the router's weight prefetch). A CUDA-graph capture
+what comes before its wait (GEMM2's first weight loads). A CUDA-graph capture
 records the overlap as a programmatic edge, so a replayed decode step gets it too. The arguments are the
 numpy scalars the callers pass (pointers as uint64, int32, float32), packed with C alignment as the kernel's
 parameters.

@@ -108,20 +108,11 @@ __device__ __forceinline__ void grid_dependency_wait() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
 }
-__device__ __forceinline__ void grid_dependents_launch() {
+__device__ __forceinline__ void wait_then_release() {
+  grid_dependency_wait();
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-}
-__device__ __forceinline__ void wait_then_release() {
-  grid_dependency_wait();
-  grid_dependents_launch();
-}
-// Bytes [p, p + n) into L2 (a hint: nothing waits for it), the lanes `first`, `first + stride`, ... taking a
-// 128-byte line each.
-__device__ __forceinline__ void prefetch_l2(const void* p, size_t n, int first, int stride) {
-  for (size_t o = (size_t)first * 128; o < n; o += (size_t)stride * 128)
-    asm volatile("prefetch.global.L2 [%0];" :: "l"(reinterpret_cast<const u8*>(p) + o));
 }
 
 __device__ __forceinline__ void mma_bf16(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
@@ -701,9 +692,6 @@ extern "C" __global__ void __launch_bounds__(ROUTE_EPB * 32) moe_route(
   const int lane = threadIdx.x & 31;
   const int e = blockIdx.x * ROUTE_EPB + (threadIdx.x >> 5);
   const int t = blockIdx.y;
-  // The router weight is no kernel's output: its rows head for L2 while the previous kernel ends.
-  const size_t wrow_bytes = (size_t)H * (w_fp32 ? 4 : 2);
-  if (e < E && t == 0) prefetch_l2(reinterpret_cast<const u8*>(w) + e * wrow_bytes, wrow_bytes, lane, 32);
   wait_then_release();
   if (e < E) {
     const u16* xr = x + (size_t)t * H;
