@@ -46,10 +46,10 @@ from runtime.experts.base import MoeShape  # noqa: E402
 from runtime.experts.cupy_mma import (CupyMmaBf16Experts, CupyMmaFp8BlockScalesExperts,  # noqa: E402
                                       CupyMmaW4a8Mxfp4Fp8Experts, CupyMmaW4a16Mxfp4Experts,
                                       CupyMmaW4a16Nvfp4Experts)
-from runtime.graphs import capture  # noqa: E402
-from runtime.kernels import router as router_kernel  # noqa: E402
 from runtime.experts.triton_grouped import (TritonWgmmaBf16Experts, TritonWgmmaFp8BlockScalesExperts,  # noqa: E402
                                             TritonWgmmaW4a16Mxfp4Experts)
+from runtime.graphs import capture  # noqa: E402
+from runtime.kernels import router as router_kernel  # noqa: E402
 
 SHAPES = {   # hidden, moe_intermediate, experts, top_k
     "Q": (2048, 768, 128, 8), "D": (7168, 2048, 256, 8), "G": (2880, 2880, 128, 4), "tiny": (256, 64, 8, 2)}
@@ -246,8 +246,11 @@ class Router:
         weights, ids = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
         return ids, weights / weights.sum(dim=-1, keepdim=True)
 
+    def fused_applies(self, x):
+        return router_kernel.applies(x, self.w, self.top_k)
+
     def fused(self, x):
-        if not router_kernel.applies(x, self.w, self.top_k):
+        if not self.fused_applies(x):
             return self(x)
         return router_kernel.route(x, self.w, self.top_k, router_kernel.SOFTMAX, logit_bias=self.bias,
                                    round_logits=True, renormalize=True)
@@ -664,7 +667,7 @@ def run(args):
                             with torch.no_grad():
                                 ours = time_graphs([(lambda m: lambda: m(x, *router.fused(x)))(m) for m in mods])
                                 ours_torch_router = (time_graphs([(lambda m: lambda: m(x, *router(x)))(m) for m in mods])
-                                                     if router_kernel.applies(x, router.w, k) else ours)
+                                                     if router.fused_applies(x) else ours)
                                 replay_ok = replay_matches_eager(lambda: mods[0](x, *router.fused(x)))
                         except Exception as exc:   # noqa: BLE001
                             result["errors"].append(f"ours {shape} {fmt} T={t} {r}: {exc!r}"[:300])
