@@ -38,9 +38,9 @@ TILES = {
     "w4a8_mxfp4_fp8": ((1, 1), (1, 2), (2, 4), (4, 4)),
 }
 # Split-K variants (the GEMM's SK: warps of a CTA sharing an m-tile group, each on 1/SK of K) of the
-# decode tile, for calls whose items leave SMs idle (cupy_mma.py: _split). MXFP4 only, the format they
-# were timed on (BENCHMARKS.md, "4-bit decode GEMMs"); the kernel also allows them for NVFP4 and w4a8.
-SPLITS = {"w4a16_mxfp4": (2, 4)}
+# decode tile, for calls whose items leave SMs idle (cupy_mma.py: _split). Timed per format at the Q and G
+# decode cells (BENCHMARKS.md, "4-bit decode GEMMs" and "Split K for every format", eleventh session).
+SPLITS = {fmt: (2, 4) for fmt in WF}
 SPLIT_TILE = (1, 1)
 # Further tiles the sweep times (compiled only when asked for: `extra_tiles`).
 EXTRA_TILES = ((1, 4), (1, 8), (2, 8), (4, 4))

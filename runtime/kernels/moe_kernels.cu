@@ -820,8 +820,7 @@ __device__ __forceinline__ void moe_gemm_impl(
   constexpr bool FP8MMA = (AQ != AQ_NONE);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  static_assert(SK == 1 || ((WF == WF_MXFP4 || WF == WF_NVFP4) && (SK == 2 || SK == 4)),
-                "split K: 4-bit formats (per-chunk scales), 2 or 4 warps per m-tile group");
+  static_assert(SK == 1 || SK == 2 || SK == 4, "split K: 2 or 4 warps per m-tile group");
   static_assert(!PT || (MT == 1 && NT == 1), "pair tiles hold one row: the (1, 1) warp tile");
   constexpr int GROUPS = 4 / SK;   // m-tile groups of MT per CTA
   const int grp = warp / SK, ks = warp % SK;
@@ -1019,7 +1018,9 @@ __device__ __forceinline__ void moe_gemm_impl(
             }
           }
           if constexpr (WF == WF_FP8B) {
-            if (c & 1) {   // end of a 128-channel block: apply weight and activation block scales
+            // end of a 128-channel block, or of this warp's share of K inside one (split K): apply the
+            // block's weight and activation scales to what `part` holds of it
+            if ((c & 1) || c + 1 == kc1) {
               const int kb = c >> 1, KB = K / 128;
 #pragma unroll
               for (int m = 0; m < MT; ++m) {

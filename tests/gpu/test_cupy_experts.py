@@ -116,10 +116,11 @@ def test_real_layer_shapes(cls):
 @pytest.mark.parametrize("cls", [c for c in CUPY_EXPERTS if c.FORMAT in K.SPLITS], ids=lambda c: c.FORMAT)
 def test_split_k_decode_kernels_match_vanilla_and_repeat_exactly(cls):
     """Every split-K factor of the decode tile, forced, on K = 320 and 192 (5 and 3 chunks: with SK = 4
-    and 3 chunks one warp of each group has none), and the factor `_split` picks at T = 1 of the real
-    layer shape: VANILLA's result within the usual bounds, and bit-identical on a second call (the
-    partial sums meet in a fixed order)."""
-    h, i = DEFAULT_SHAPE
+    and 3 chunks one warp of each group has none; FP8: 384 and 256, where warps' shares end inside a
+    128-channel scale block), and the factor `_split` picks at T = 1 of the real layer shape: VANILLA's
+    result within the usual bounds, and bit-identical on a second call (the partial sums meet in a fixed
+    order)."""
+    h, i = SHAPES.get(cls.FORMAT, DEFAULT_SHAPE)
     spec = MoeShape(h, i, 8, 3, "swiglu_oai", expert_bias=True)
     tensors = make_expert_tensors(spec, cls.FORMAT, seed=81, weight_std=3.0)
     module = _module(cls, spec, tensors)
@@ -138,12 +139,14 @@ def test_split_k_decode_kernels_match_vanilla_and_repeat_exactly(cls):
             except AssertionError as err:
                 raise AssertionError(f"{cls.FORMAT} tokens={tokens} split={sk}: {err}") from None
 
-    real = dataclasses.replace(REAL_SHAPES[cls.FORMAT], num_experts=4)   # T = 1 routes to all four
+    # as many experts as one token routes to: T = 1 uses every one
+    real = dataclasses.replace(REAL_SHAPES[cls.FORMAT], num_experts=REAL_SHAPES[cls.FORMAT].top_k)
     tensors = make_expert_tensors(real, cls.FORMAT, seed=84, weight_std=3.0)
     module = _module(cls, real, tensors)
     kern = module._kernels(torch.device("cuda"))
-    # one token, 4 experts: 180 down-projection items fill too few SMs, so its GEMM2 is split
-    assert module._split(kern, K.EPI_DOWN, K.SPLIT_TILE, 4, real.hidden_size)[2] > 1
+    # one token: the items of one of its GEMMs (experts x N / 64) fill too few SMs, so that GEMM is split
+    gemms = ((K.EPI_GATED, 2 * real.intermediate_size), (K.EPI_DOWN, real.hidden_size))
+    assert max(module._split(kern, epi, K.SPLIT_TILE, real.top_k, n, True)[2] for epi, n in gemms) > 1
     ids, weights = random_routing(1, real, seed=85)
     hidden = random_hidden(1, real, seed=86)
     out = module(hidden.cuda(), ids.cuda(), weights.cuda())
