@@ -533,6 +533,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(
 #define ROUTE_SIGMOID 1
 #define ROUTE_LOGITS 2
 #define ROUTE_MAX_K 32
+#define ROUTE_MAX_GROUPS 64   // router.py MAX_GROUPS
 #define ROUTE_NEG_INF __int_as_float(0xff800000)   // NVRTC has no math headers: no INFINITY
 
 __device__ __forceinline__ void route_argmax(float& v, int& i) {
@@ -593,28 +594,43 @@ __device__ void route_topk(
       choice[e] = s + (choice_bias ? choice_bias[e] : 0.f);
     }
     __syncthreads();
-    if (topk_group < n_group && tid == 0) {
-      // Few groups (<= 64): thread 0 scores them by their best two and keeps the best topk_group.
+    if (topk_group < n_group) {
+      // Few groups (<= 64), each scored by its best two: warp w takes groups w, w + warps, ...; each lane keeps
+      // the top two of its share as a sequential scan does (duplicates counted), and the warp merges the
+      // pairs (the top two of a union of two pairs). Then thread 0 keeps the best topk_group, ties to the
+      // lower group, and all threads take the other groups' experts out.
+      __shared__ float gscore[ROUTE_MAX_GROUPS];
+      __shared__ unsigned long long keep;
       const int per = E / n_group;
-      float gscore[64];
-      for (int g = 0; g < n_group; ++g) {
+      for (int g = warp; g < n_group; g += warps) {
         float b1 = ROUTE_NEG_INF, b2 = ROUTE_NEG_INF;
-        for (int e = g * per; e < (g + 1) * per; ++e) {
+        for (int e = g * per + lane; e < (g + 1) * per; e += 32) {
           const float c = choice[e];
           if (c > b1) { b2 = b1; b1 = c; } else if (c > b2) b2 = c;
         }
-        gscore[g] = b1 + b2;
+        for (int off = 16; off > 0; off >>= 1) {
+          const float o1 = __shfl_xor_sync(0xffffffffu, b1, off), o2 = __shfl_xor_sync(0xffffffffu, b2, off);
+          b2 = fmaxf(fminf(b1, o1), fmaxf(b2, o2));
+          b1 = fmaxf(b1, o1);
+        }
+        if (lane == 0) gscore[g] = b1 + b2;
       }
-      unsigned long long keep = 0ull;
-      for (int r = 0; r < topk_group; ++r) {
-        int best = -1;
-        for (int g = 0; g < n_group; ++g)
-          if (!((keep >> g) & 1ull) && (best < 0 || gscore[g] > gscore[best])) best = g;
-        keep |= 1ull << best;
+      __syncthreads();
+      if (tid == 0) {
+        unsigned long long kept = 0ull;
+        for (int r = 0; r < topk_group; ++r) {
+          int best = -1;
+          for (int g = 0; g < n_group; ++g)
+            if (!((kept >> g) & 1ull) && (best < 0 || gscore[g] > gscore[best])) best = g;
+          kept |= 1ull << best;
+        }
+        keep = kept;
       }
-      for (int g = 0; g < n_group; ++g)
-        if (!((keep >> g) & 1ull))
-          for (int e = g * per; e < (g + 1) * per; ++e) choice[e] = ROUTE_NEG_INF;
+      __syncthreads();
+      for (int e = tid; e < E; e += NT) {
+        const int g = e / per;
+        if (g < n_group && !((keep >> g) & 1ull)) choice[e] = ROUTE_NEG_INF;
+      }
     }
   } else {
     for (int e = tid; e < E; e += NT) choice[e] = logit[e];

@@ -10,11 +10,16 @@ from runtime.routing import LinearTopKSoftmaxRouter, SigmoidTopKRouter, SoftmaxT
 
 pytestmark = pytest.mark.gpu
 
-# (name, constructor, hidden size): the three rules at real layer shapes.
+# (name, constructor, hidden size): the three rules at real layer shapes, and two group widths.
 CASES = {
     "qwen3_softmax": (lambda: SoftmaxTopKRouter(hidden_size=2048, num_experts=128, top_k=8, norm_topk_prob=True, dtype=torch.bfloat16), 2048),
     "deepseek_grouped": (lambda: SigmoidTopKRouter(hidden_size=7168, num_experts=256, top_k=8, n_group=8, topk_group=4,
                                                    routed_scaling_factor=2.5, dtype=torch.bfloat16), 7168),
+    # groups wider and narrower than a warp (64 and 4 experts each): the kernel's group scoring by warps
+    "grouped_wide": (lambda: SigmoidTopKRouter(hidden_size=1024, num_experts=256, top_k=6, n_group=4, topk_group=2,
+                                               dtype=torch.bfloat16), 1024),
+    "grouped_narrow": (lambda: SigmoidTopKRouter(hidden_size=512, num_experts=16, top_k=3, n_group=4, topk_group=2,
+                                                 dtype=torch.bfloat16), 512),
     "kimi_one_group": (lambda: SigmoidTopKRouter(hidden_size=7168, num_experts=896, top_k=8, routed_scaling_factor=2.827,
                                                  dtype=torch.bfloat16), 7168),
     "minimax_bf16_gemm": (lambda: SigmoidTopKRouter(hidden_size=3072, num_experts=256, top_k=8, fp32_gemm=False,

@@ -1,13 +1,15 @@
 """The CUPY kernels on a machine without a GPU: every `.cu` source compiles with the host's nvcc for
-every SM its registry entries declare (all GEMM variants instantiated), and every CUPY class imports
-and constructs on the meta device with cupy absent."""
+every SM its registry entries declare (all GEMM variants instantiated), the router's limits in
+router.py are the sizes of the kernel's arrays, and every CUPY class imports and constructs on the meta
+device with cupy absent."""
 import subprocess
 import sys
 
 import pytest
 
 from registry.impls import load_registry
-from runtime.kernels import SOURCES
+from runtime.kernels import SOURCE, SOURCES
+from runtime.kernels import router
 from runtime.kernels.build import compile_cubin, nvcc
 
 
@@ -26,6 +28,13 @@ def test_every_kernel_source_is_built_by_the_loader():
 def test_kernels_compile_with_nvcc_for_every_declared_sm(sm, tmp_path):
     cubin = compile_cubin(sm, tmp_path)
     assert cubin.stat().st_size > 0
+
+
+def test_router_limits_are_the_kernel_array_sizes():
+    # router.py's `applies` refuses a call beyond these; the kernel's shared arrays hold exactly them
+    text = SOURCE.read_text()
+    assert f"#define ROUTE_MAX_K {router.MAX_K}\n" in text
+    assert f"#define ROUTE_MAX_GROUPS {router.MAX_GROUPS} " in text
 
 
 def test_cupy_classes_construct_on_meta_without_cupy():
