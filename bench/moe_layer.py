@@ -502,14 +502,13 @@ def decode_kernels(args, result):
         router = Router(h, e, k, None)
         for fmt in args.formats.split(","):
             mods = build(fmt, spec)
-            splits = K.splits(fmt, K.SPLIT_TILE)
             for t in (int(v) for v in args.tokens.split(",")):
                 x = torch.randn(t, h, device="cuda").bfloat16()
                 with torch.no_grad():
                     ids, weights = router(x)
                 active = int(ids.unique().numel())
                 tile = tuple(mods[0].plan(t, k)[1])
-                options = [None] + ([(*tile, sk) for sk in (1,) + splits] if splits and tile == K.SPLIT_TILE else [])
+                options = [None] + ([(*tile, sk) for sk in (1,) + K.SPLITS] if tile == K.SPLIT_TILE else [])
                 options += [forced for forced in args.decode_tiles if forced not in options]
                 for opt in options:
                     with torch.no_grad():

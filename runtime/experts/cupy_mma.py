@@ -310,7 +310,7 @@ class _CupyMmaExperts(ExpertsBase):
         m = min(len(self.expert_ids), pairs)
         tiles = m + (pairs - m) // bt
         best = 1
-        for sk in K.splits(self.FORMAT, tile):
+        for sk in K.splits(tile):
             split = (*tile, sk)
             name = K.gemm_name(self.FORMAT, epi, split, pairs=pair_tiles)
             if tiles * _row_blocks(n, split) <= kern.persistent_grid(name, 1 << 30):

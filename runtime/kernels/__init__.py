@@ -37,10 +37,11 @@ TILES = {
     "w4a16_nvfp4": ((1, 1), (1, 2), (2, 4), (2, 8)),
     "w4a8_mxfp4_fp8": ((1, 1), (1, 2), (2, 4), (4, 4)),
 }
-# Split-K variants (the GEMM's SK: warps of a CTA sharing an m-tile group, each on 1/SK of K) of the
-# decode tile, for calls whose items leave SMs idle (cupy_mma.py: _split). Timed per format at the Q and G
-# decode cells (BENCHMARKS.md, "4-bit decode GEMMs" and "Split K for every format", eleventh session).
-SPLITS = {fmt: (2, 4) for fmt in WF}
+# Split-K factors (the GEMM's SK: warps of a CTA sharing an m-tile group, each on 1/SK of K) of the decode
+# tile, in every format, for calls whose items leave SMs idle (cupy_mma.py: _split). Timed per format at
+# the Q and G decode cells (BENCHMARKS.md, "4-bit decode GEMMs" and "Split K for every format", eleventh
+# session).
+SPLITS = (2, 4)
 SPLIT_TILE = (1, 1)
 # Further tiles the sweep times (compiled only when asked for: `extra_tiles`).
 EXTRA_TILES = ((1, 4), (1, 8), (2, 8), (4, 4))
@@ -50,9 +51,9 @@ def tiles(fmt: str) -> tuple[tuple[int, int], ...]:
     return TILES[fmt]
 
 
-def splits(fmt: str, tile) -> tuple[int, ...]:
-    """The split-K factors compiled for `tile` of `fmt` (ascending; empty: none)."""
-    return SPLITS.get(fmt, ()) if tuple(tile[:2]) == SPLIT_TILE else ()
+def splits(tile) -> tuple[int, ...]:
+    """The split-K factors compiled for `tile` (ascending; empty: none)."""
+    return SPLITS if tuple(tile[:2]) == SPLIT_TILE else ()
 
 
 def gemm_name(fmt: str, epi: int, tile, pairs: bool = False) -> str:
@@ -68,8 +69,8 @@ def gemm_instances(fmt: str, epis=(EPI_GATED, EPI_RELU2, EPI_DOWN), extra_tiles=
     """(WF, AQ, EPI, MT, NT[, SK]) of every tile of `fmt` for `epis`, then the pair-tile kernels,
     (WF, AQ, EPI, 1, 1, SK, "pairs") for SK = 1 and the split-K factors of the (1, 1) tile."""
     all_tiles = tiles(fmt) + tuple(t for t in extra_tiles if t not in tiles(fmt))
-    all_tiles += tuple((*t, sk) for t in tiles(fmt) for sk in splits(fmt, t))
-    pair_splits = (1,) + splits(fmt, SPLIT_TILE)
+    all_tiles += tuple((*t, sk) for t in tiles(fmt) for sk in splits(t))
+    pair_splits = (1,) + SPLITS
     return (tuple((WF[fmt], AQ[fmt], epi, *tile) for epi in epis for tile in all_tiles)
             + tuple((WF[fmt], AQ[fmt], epi, 1, 1, sk, "pairs") for epi in epis for sk in pair_splits))
 

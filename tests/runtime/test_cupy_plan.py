@@ -35,7 +35,7 @@ def test_every_pair_kernel_a_plan_can_name_is_instantiated(fmt):
     stamped = set(re.findall(r"MOE_GEMM_INSTANCE_PAIRS\((\d+), (\d+), (\d+), (\d+)\)", source))
     names = {f"moe_gemm_{wf}_{aq}_{epi}_1_1_{sk}_pairs" for wf, aq, epi, sk in stamped}
     for epi in epis:
-        for sk in (1,) + K.splits(fmt, K.SPLIT_TILE):
+        for sk in (1,) + K.SPLITS:
             assert K.gemm_name(fmt, epi, (*K.SPLIT_TILE, sk), pairs=True) in names, (epi, sk)
         assert K.gemm_name(fmt, epi, K.SPLIT_TILE, pairs=True) in names, epi
 
