@@ -33,6 +33,7 @@ from torch import nn
 from runtime.acceptance import accept_sampled, draw, near_ties, nucleus
 from runtime.decoding import Generation, batch_bucket, length_bucket, sync
 from runtime.drafts import ExternalDrafter, draft_input, vocab_size
+from runtime.experts.base import ExpertsBase
 from runtime.graphs import advanced_in_place, capture
 from runtime.ops.recurrent import keep_states, leaves, roll_back
 
@@ -55,7 +56,7 @@ class SpeculativeGeneration(Generation):
     rounds: int = 0
     proposed: int = 0
     accepted: int = 0
-    near_ties: int = 0      # greedy: kept tokens whose target top-2 logits were within the dtype's eps (SD1)
+    near_ties: int = 0      # greedy: kept tokens whose target top-2 logits were within tie_eps(target) (SD1)
     note: str | None = None
 
     @property
@@ -75,6 +76,14 @@ class SpeculativeGeneration(Generation):
         return (f"speculative: {self.rounds} target steps, {self.proposed} proposed, {self.accepted} accepted "
                 f"({self.accepted / max(1, self.proposed):.1%}), acceptance length {self.acceptance_length:.2f}, "
                 f"{self.near_ties} near-tie tokens")
+
+
+def tie_eps(model: nn.Module) -> float:
+    """The eps of the coarsest dtype `model`'s GEMMs take operands in: its own, or its experts' (bf16 for every
+    implementation but VANILLA in fp32). A tie within it may break either way between the verify block and
+    a one-token step, so an fp32 build with bf16 experts reports bf16's ties (SD1)."""
+    dtypes = {model.dtype} | {type(m).plain_dtype(model.dtype) for m in model.modules() if isinstance(m, ExpertsBase)}
+    return max(torch.finfo(dtype).eps for dtype in dtypes)
 
 
 class SpeculativeDecoder:
@@ -109,7 +118,7 @@ class SpeculativeDecoder:
         self.emitted = torch.zeros(batch_size, k + 1, **ids)     # the target's tokens of the last verify
         self.kept = torch.zeros(1, **ids)                         # a: proposals accepted in the last verify
         self.ties = torch.zeros(batch_size, **ids)                # per row: near-tie tokens kept so far
-        self.tie_eps = torch.finfo(target.dtype).eps
+        self.tie_eps = tie_eps(target)
         self.draft_tokens = torch.zeros(batch_size, k + 1, **ids)  # the draft's catch-up block
         self.draft_pos = torch.zeros(1, **ids)
         self.draft_sel = torch.zeros(1, **ids)

@@ -365,6 +365,23 @@ def assert_greedy_equal_up_to_ties(model, tokens: torch.Tensor, reference: torch
         assert top[0] - top[1] <= tol * logits.abs().max(), f"row {row} position {col}: no tie explains it"
 
 
+def tie_free_run(target, run, batch: int, length: int, draws: int = 3):
+    """(prompt, out) of the first of up to `draws` fresh prompts `[batch, length]` whose greedy speculative run
+    `run(prompt)` kept no near-tie token: SD1 is exact there, so callers assert its tokens and counts. A run that
+    kept one (a tie within fp32 rounding breaks either way between a verify block and a one-token step) must
+    still be the target's greedy reference up to that tie."""
+    from runtime.speculative import vocab_size
+
+    for _ in range(draws):
+        prompt = token_ids(vocab_size(target), batch, length)
+        out = run(prompt)
+        if out.near_ties == 0:
+            return prompt, out
+        new_tokens = out.tokens.shape[1] - length
+        assert_greedy_equal_up_to_ties(target, out.tokens, greedy_reference(target, prompt, new_tokens), tol=1e-5)
+    raise AssertionError(f"each of {draws} fresh prompts kept a near-tie token")
+
+
 def greedy_reference(model, prompt: torch.Tensor, n: int) -> torch.Tensor:
     """`prompt` continued by `n` argmax ids, each from a full forward over everything so far (no cache)."""
     ids = prompt

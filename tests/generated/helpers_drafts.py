@@ -46,13 +46,21 @@ def vanilla_speculative_target(model: str, folder, checkpoint_name: str, mode: s
 
 
 def assert_speculative_greedy_is_the_target_greedy(target, k: int, new_tokens: int):
-    """Greedy speculative decoding with k draft tokens a round emits exactly the target's own greedy tokens;
+    """Greedy speculative decoding with k draft tokens a round emits the target's own greedy tokens (SD1): exactly
+    where the target's arithmetic is fp32, up to ties within 1e-3 of the largest logit where its experts take bf16
+    operands (at every position such a run keeps ties within bf16's eps: observed flips lay within 4e-4);
     returns the run's Generation."""
     from runtime import speculative
 
-    prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=5)
-    out = target.generate(prompt, new_tokens, speculative=k)
-    assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, new_tokens))
+    run = lambda prompt: target.generate(prompt, new_tokens, speculative=k)  # noqa: E731
+    if speculative.tie_eps(target) == torch.finfo(torch.float32).eps:
+        prompt, out = builds.tie_free_run(target, run, batch=2, length=5)
+        assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, new_tokens))
+    else:
+        prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=5)
+        out = run(prompt)
+        builds.assert_greedy_equal_up_to_ties(target, out.tokens, builds.greedy_reference(target, prompt, new_tokens),
+                                              tol=1e-3)
     assert out.note is None and out.proposed == k * out.rounds
     # the prefill's token, then a + 1 a round; the last round may pass new_tokens by up to k
     assert 1 + out.rounds + out.accepted >= new_tokens > out.rounds + out.accepted - k

@@ -101,8 +101,7 @@ def test_load_model_attaches_the_mtp_draft_build_with_its_own_tensors(mtp_case):
 @pytest.mark.parametrize("k", [1, 3])
 def test_mtp_speculative_greedy_is_the_target_greedy(mtp_case, k):
     _, target = mtp_case
-    prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=5)
-    out = target.generate(prompt, NEW, speculative=k)
+    prompt, out = builds.tie_free_run(target, lambda p: target.generate(p, NEW, speculative=k), batch=2, length=5)
     assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
     assert out.note is None and out.proposed == k * out.rounds
     # Every round yields a + 1 tokens: the first token (prefill) plus the rounds' reach the 32, the round
@@ -110,8 +109,8 @@ def test_mtp_speculative_greedy_is_the_target_greedy(mtp_case, k):
     assert 1 + out.rounds + out.accepted >= NEW > out.rounds + out.accepted - k
     assert out.acceptance_length == pytest.approx((out.accepted + out.rounds) / out.rounds)
     # The same decoder (caches, buffers) serves the next call from position 0.
-    again = builds.token_ids(speculative.vocab_size(target), batch=1, length=7)
-    assert torch.equal(target.generate(again, 12, speculative=k).tokens, builds.greedy_reference(target, again, 12))
+    again, out = builds.tie_free_run(target, lambda p: target.generate(p, 12, speculative=k), batch=1, length=7)
+    assert torch.equal(out.tokens, builds.greedy_reference(target, again, 12))
 
 
 def test_the_mtp_draft_reads_the_accepted_tokens_and_target_hidden_states(mtp_case):
@@ -146,8 +145,8 @@ def test_the_mtp_draft_reads_the_accepted_tokens_and_target_hidden_states(mtp_ca
 @pytest.mark.parametrize("k", [1, 3])
 def test_a_drafter_with_the_target_weights_is_accepted_k_plus_1_per_step(model, k):
     target, twin = builds.random_build(model, seed=3), builds.random_build(model, seed=3)
-    prompt = builds.token_ids(speculative.vocab_size(target), batch=3, length=4)  # 3 rows: a bucket of 4
-    out = target.generate(prompt, NEW, speculative=Speculation(k, ExternalDrafter(twin, target)))
+    spec = Speculation(k, ExternalDrafter(twin, target))  # 3 rows: a bucket of 4
+    prompt, out = builds.tie_free_run(target, lambda p: target.generate(p, NEW, speculative=spec), batch=3, length=4)
     assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
     assert out.rounds == math.ceil((NEW - 1) / (k + 1))
     assert out.accepted == out.proposed == k * out.rounds
@@ -157,8 +156,8 @@ def test_a_drafter_with_the_target_weights_is_accepted_k_plus_1_per_step(model, 
 @pytest.mark.parametrize("k", [1, 3])
 def test_a_drafter_of_another_family_gives_the_target_greedy(k):
     target, drafter = builds.random_build("tiny_deepseek_v3", seed=3), builds.random_build("tiny_qwen3_moe", seed=5)
-    prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=4)
-    out = target.generate(prompt, NEW, speculative=Speculation(k, ExternalDrafter(drafter, target)))
+    spec = Speculation(k, ExternalDrafter(drafter, target))
+    prompt, out = builds.tie_free_run(target, lambda p: target.generate(p, NEW, speculative=spec), batch=2, length=4)
     assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
     assert out.proposed == k * out.rounds and 1 + out.rounds + out.accepted >= NEW
 
@@ -169,8 +168,8 @@ def test_a_drafter_wrong_on_purpose_is_rolled_back(k, wrong, per_round):
     (the rows share positions, so row 1's longer agreement waits), and the next round's drafter agrees
     again: both caches were rolled back past the rejected tokens."""
     target, twin = builds.random_build("tiny_qwen3_moe", seed=3), builds.random_build("tiny_qwen3_moe", seed=3)
-    prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=4)
-    out = target.generate(prompt, NEW, speculative=Speculation(k, WrongAt(twin, target, wrong, row=0)))
+    spec = Speculation(k, WrongAt(twin, target, wrong, row=0))
+    prompt, out = builds.tie_free_run(target, lambda p: target.generate(p, NEW, speculative=spec), batch=2, length=4)
     assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
     assert out.rounds == math.ceil((NEW - 1) / (per_round + 1))
     assert out.accepted == per_round * out.rounds and out.proposed == k * out.rounds
@@ -202,9 +201,13 @@ def test_an_aux_hidden_draft_reads_the_listed_layers_and_maps_its_vocabulary(tem
     target, twin = builds.random_build("tiny_qwen3_moe", seed=3), builds.random_build("tiny_qwen3_moe", seed=3)
     perm = torch.randperm(512, generator=torch.Generator().manual_seed(1))
     draft = PermutedAux(twin, target, perm)
-    prompt = builds.token_ids(512, batch=2, length=5)
     k = 3
-    out = target.generate(prompt, NEW, temperature=temperature, seed=2, speculative=Speculation(k, draft))
+
+    def run(prompt):
+        draft.seen.clear()   # a tie-free draw's states only
+        return target.generate(prompt, NEW, temperature=temperature, seed=2, speculative=Speculation(k, draft))
+
+    prompt, out = builds.tie_free_run(target, run, batch=2, length=5)
     if temperature == 0.0:
         assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
         assert out.accepted == out.proposed
@@ -284,6 +287,16 @@ def test_near_ties_are_top_two_logits_within_the_dtype_eps():
     logits = torch.tensor([[3.0, 3.0 - 3e-8, 1.0], [3.0, 2.0, 1.0], [0.5, 0.5 - 1e-3, 0.0]])
     assert speculative.near_ties(logits, torch.finfo(torch.bfloat16).eps).tolist() == [True, False, True]
     assert speculative.near_ties(logits, torch.finfo(torch.float32).eps).tolist() == [True, False, False]
+
+
+def test_ties_are_judged_in_the_coarsest_dtype_the_target_computes_in():
+    """fp32 with VANILLA experts (fp32 GEMMs; this module binds them) judges ties within fp32's eps; fp32 with
+    the bound TORCH experts (bf16 operands) and a bf16 build within bf16's."""
+    fp32, bf16 = torch.finfo(torch.float32).eps, torch.finfo(torch.bfloat16).eps
+    assert speculative.tie_eps(builds.random_build("tiny_qwen3_moe", seed=3)) == fp32
+    assert speculative.tie_eps(builds.random_build("tiny_qwen3_next", seed=3)) == bf16   # not bound VANILLA here
+    module = builds.load("generated" + builds.bf16_target("tiny_qwen3_moe")["module"])
+    assert speculative.tie_eps(module.MODEL_CLASS(dtype=torch.bfloat16)) == bf16
 
 
 def _distributions(gen, rows, v):

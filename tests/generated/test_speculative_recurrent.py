@@ -46,8 +46,8 @@ def test_the_hybrid_builds_have_recurrent_layers():
 @pytest.mark.parametrize("k", [1, 3])
 def test_a_drafter_with_the_target_weights_is_accepted_k_plus_1_per_step(model, k):
     target, twin = builds.random_build(model, seed=3), builds.random_build(model, seed=3)
-    prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=5)
-    out = target.generate(prompt, NEW, speculative=Speculation(k, ExternalDrafter(twin, target)))
+    spec = Speculation(k, ExternalDrafter(twin, target))
+    prompt, out = builds.tie_free_run(target, lambda p: target.generate(p, NEW, speculative=spec), batch=2, length=5)
     assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
     assert out.rounds == math.ceil((NEW - 1) / (k + 1))
     assert out.accepted == out.proposed == k * out.rounds
@@ -58,8 +58,8 @@ def test_a_drafter_with_the_target_weights_is_accepted_k_plus_1_per_step(model, 
 def test_a_drafter_of_the_other_hybrid_family_gives_the_target_greedy(model, k):
     other = next(m for m in HYBRID if m != model)
     target, drafter = builds.random_build(model, seed=3), builds.random_build(other, seed=5)
-    prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=4)
-    out = target.generate(prompt, NEW, speculative=Speculation(k, ExternalDrafter(drafter, target)))
+    spec = Speculation(k, ExternalDrafter(drafter, target))
+    prompt, out = builds.tie_free_run(target, lambda p: target.generate(p, NEW, speculative=spec), batch=2, length=4)
     assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
     assert out.proposed == k * out.rounds and 1 + out.rounds + out.accepted >= NEW
     assert out.accepted < out.proposed   # random weights disagree: rounds were partially accepted
@@ -72,8 +72,8 @@ def test_a_drafter_wrong_on_purpose_is_rolled_back(model, k, wrong):
     the next round's drafter (the target's twin) agrees again up to its wrong step, which it can only if
     both its states and the target's were returned to the accepted tokens."""
     target, twin = builds.random_build(model, seed=3), builds.random_build(model, seed=3)
-    prompt = builds.token_ids(speculative.vocab_size(target), batch=2, length=4)
-    out = target.generate(prompt, NEW, speculative=Speculation(k, WrongAt(twin, target, wrong, row=0)))
+    spec = Speculation(k, WrongAt(twin, target, wrong, row=0))
+    prompt, out = builds.tie_free_run(target, lambda p: target.generate(p, NEW, speculative=spec), batch=2, length=4)
     assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
     assert out.rounds == math.ceil((NEW - 1) / (wrong + 1))
     assert out.accepted == wrong * out.rounds and out.proposed == k * out.rounds
@@ -81,8 +81,8 @@ def test_a_drafter_wrong_on_purpose_is_rolled_back(model, k, wrong):
 
 def test_a_prompt_longer_than_a_chunk_prefills_chunked_and_decodes_to_the_target_greedy():
     target, drafter = builds.random_build("tiny_qwen3_next", seed=3), builds.random_build("tiny_qwen3_next", seed=4)
-    prompt = builds.token_ids(speculative.vocab_size(target), batch=1, length=70)   # > the DeltaNet's chunk, 64
-    out = target.generate(prompt, NEW, speculative=Speculation(3, ExternalDrafter(drafter, target)))
+    spec = Speculation(3, ExternalDrafter(drafter, target))   # a prompt > the DeltaNet's chunk, 64
+    prompt, out = builds.tie_free_run(target, lambda p: target.generate(p, NEW, speculative=spec), batch=1, length=70)
     assert torch.equal(out.tokens, builds.greedy_reference(target, prompt, NEW))
 
 
