@@ -36,6 +36,16 @@ def capture(step: Callable[[], object], state: Sequence[torch.Tensor] = (),
     return graph, out
 
 
+def kernel_counters(size: int, device: torch.device, owner: str) -> torch.Tensor:
+    """Zeroed int32 counters a kernel keeps across its launches (each launch's last CTA resets them). Refused
+    inside a CUDA-graph capture: there the zero fill would be recorded, not run, so every launch outside
+    that graph would start from whatever the memory held and let an early CTA act as the last."""
+    if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{owner} makes its counters at its first call, and that call is inside a CUDA-graph "
+                           "capture: call it once before capturing (as runtime.graphs.capture's warm-up does)")
+    return torch.zeros(size, dtype=torch.int32, device=device)
+
+
 def advanced_in_place(caches) -> tuple[torch.Tensor, ...]:
     """The tensors of `caches` a step advances from their old value (a recurrent layer's conv and memory
     states), which `capture` must restore after its warm-up; a KV cache is written at the step's position,

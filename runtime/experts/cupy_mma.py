@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .. import kernels as K
+from ..graphs import kernel_counters
 from .base import ExpertParallel, ExpertsBase, MoeShape
 from .cupy_layout import buffer_specs, convert
 
@@ -126,7 +127,7 @@ class _CupyMmaExperts(ExpertsBase):
         """The counter `moe_align_count`'s CTAs take a number from (zero between calls: its last CTA resets it)."""
         ticket = self._align_tickets.get(device)
         if ticket is None:
-            ticket = self._align_tickets[device] = torch.zeros(1, dtype=torch.int32, device=device)
+            ticket = self._align_tickets[device] = kernel_counters(1, device, f"{type(self).__name__}'s moe_align_count")
         return ticket
 
     def prepare(self, device=None) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from runtime.graphs import kernel_counters
+
 SOFTMAX, SIGMOID, LOGITS = 0, 1, 2
 MAX_TOKENS = 64
 MAX_K, MAX_GROUPS = 32, 64
@@ -35,7 +37,8 @@ def applies(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, n_group: int
 
 _LOADED: dict = {}
 # Per device: the kernel's per-token arrival counters, zero between launches (the kernel's last CTA of each
-# token resets its own). Made at the first call, which a decoder's warm-up makes before any capture. One
+# token resets its own). Made at the first call, which a decoder's warm-up makes before any capture (inside
+# one it is refused: runtime.graphs.kernel_counters; tests/gpu/conftest.py checks they end at zero). One
 # set per device: two router calls must not run at once on two streams of one device (no build does that).
 _COUNTERS: dict = {}
 
@@ -43,7 +46,7 @@ _COUNTERS: dict = {}
 def _counters(device: torch.device) -> torch.Tensor:
     counters = _COUNTERS.get(device)
     if counters is None:
-        counters = _COUNTERS[device] = torch.zeros(MAX_TOKENS, dtype=torch.int32, device=device)
+        counters = _COUNTERS[device] = kernel_counters(MAX_TOKENS, device, "the router kernel")
     return counters
 
 

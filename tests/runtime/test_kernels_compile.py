@@ -1,11 +1,12 @@
 """The CUPY kernels on a machine without a GPU: every `.cu` source compiles with the host's nvcc for
 every SM its registry entries declare (all GEMM variants instantiated), the router's limits in
-router.py are the sizes of the kernel's arrays, and every CUPY class imports and constructs on the meta
-device with cupy absent."""
+router.py are the sizes of the kernel's arrays, the kernels' cross-launch counters are never made inside
+a CUDA-graph capture, and every CUPY class imports and constructs on the meta device with cupy absent."""
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from registry.impls import load_registry
 from runtime.kernels import SOURCE, SOURCES
@@ -35,6 +36,25 @@ def test_router_limits_are_the_kernel_array_sizes():
     text = SOURCE.read_text()
     assert f"#define ROUTE_MAX_K {router.MAX_K}\n" in text
     assert f"#define ROUTE_MAX_GROUPS {router.MAX_GROUPS} " in text
+
+
+def test_kernel_counters_are_refused_inside_a_graph_capture(monkeypatch):
+    # the capture would record their zero fill, not run it: later launches would start from stale memory
+    from runtime.experts.base import MoeShape
+    from runtime.experts.cupy_mma import CupyMmaBf16Experts
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(router, "_COUNTERS", {})
+    module = CupyMmaBf16Experts(MoeShape(64, 64, 4, 2, "silu_glu"), device="meta")
+    for make, owner in ((lambda: router._counters(torch.device("cuda", 0)), "the router kernel"),
+                        (lambda: module._align_ticket(torch.device("cuda", 0)), "CupyMmaBf16Experts's moe_align_count")):
+        with pytest.raises(RuntimeError) as err:
+            make()
+        assert str(err.value) == (f"{owner} makes its counters at its first call, and that call is inside a "
+                                  "CUDA-graph capture: call it once before capturing (as runtime.graphs.capture's "
+                                  "warm-up does)")
+    assert not router._COUNTERS and not module._align_tickets
+    assert router._counters(torch.device("cpu")).tolist() == [0] * router.MAX_TOKENS   # a device that never captures
 
 
 def test_cupy_classes_construct_on_meta_without_cupy():
