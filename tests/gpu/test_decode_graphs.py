@@ -96,5 +96,6 @@ def test_greedy_generate_on_the_gpu_is_the_argmax_of_the_full_forward(family):
     model = _specialized(family, torch.float32)
     prompt = builds.token_ids(model.lm_head.weight.shape[0], batch=3, length=5).cuda()
     out = model.generate(prompt, 6)
-    assert torch.equal(out.tokens, builds.greedy_reference(model, prompt, 6).cpu())
+    # the TORCH experts take bf16 operands: a one-token step and the full forward may break a tie either way
+    builds.assert_greedy_equal_up_to_ties(model, out.tokens, builds.greedy_reference(model, prompt, 6).cpu(), tol=1e-3)
     assert out.tokens_per_s > 0
