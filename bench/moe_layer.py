@@ -508,7 +508,8 @@ def decode_kernels(args, result):
                     ids, weights = router(x)
                 active = int(ids.unique().numel())
                 tile = tuple(mods[0].plan(t, k)[1])
-                options = [None] + ([(*tile, sk) for sk in (1,) + K.SPLITS] if tile == K.SPLIT_TILE else [])
+                splits = K.splits(tile)
+                options = [None] + ([(*tile, sk) for sk in (1,) + splits] if splits else [])
                 options += [forced for forced in args.decode_tiles if forced not in options]
                 for opt in options:
                     with torch.no_grad():
