@@ -15,10 +15,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from runtime.kernels import router as router_kernel  # noqa: E402
-from runtime.routing import SigmoidTopKRouter, SoftmaxTopKRouter  # noqa: E402
+from runtime.routing import LinearTopKSoftmaxRouter, SigmoidTopKRouter, SoftmaxTopKRouter  # noqa: E402
 
 SHAPES = {
     "Q": lambda: SoftmaxTopKRouter(hidden_size=2048, num_experts=128, top_k=8, norm_topk_prob=True, dtype=torch.bfloat16),
+    "G": lambda: LinearTopKSoftmaxRouter(hidden_size=2880, num_experts=128, top_k=4, dtype=torch.bfloat16),
     "D": lambda: SigmoidTopKRouter(hidden_size=7168, num_experts=256, top_k=8, n_group=8, topk_group=4,
                                    routed_scaling_factor=2.5, dtype=torch.bfloat16),
 }

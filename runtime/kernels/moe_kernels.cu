@@ -338,6 +338,17 @@ extern "C" __global__ void __launch_bounds__(1024) moe_align_scatter(
 // mode 1: scale per 128 channels -> s [R, K/128]; codes in the canonical order.
 // mode 2: one scale per row -> s [R]; codes permuted inside each 64-chunk so that chunk element
 //         32*s + 8*t + i lands at byte 16*t + 8*s + i (the k32 steps of the w4a8 GEMM).
+// Each thread issues its 16-byte loads of up to QUANT_PASSES passes (of 1024 elements) before it uses any:
+// a loop of load, quantize, store waited one L2 round trip per pass, seven in a row for a 7168-wide row.
+#define QUANT_PASSES 8
+__device__ __forceinline__ void quant_load(const u16* row, int K, int base, uint4 (&v)[QUANT_PASSES]) {
+#pragma unroll
+  for (int p = 0; p < QUANT_PASSES; ++p) {
+    const int i = base + p * 1024 + threadIdx.x * 8;
+    if (i < K) v[p] = ldg16(row + i);
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(128) quant_fp8_rows(
     const u16* x, const int* valid_rows, u8* __restrict__ q, float* __restrict__ s,
     int K, int mode) {
@@ -348,14 +359,19 @@ extern "C" __global__ void __launch_bounds__(128) quant_fp8_rows(
   u8* qrow = q + (size_t)r * K;
   __shared__ float red[4];
   float row_scale = 0.f;
+  uint4 v[QUANT_PASSES];
   if (mode == 2) {
     float amax = 0.f;
-    for (int i = threadIdx.x * 8; i < K; i += 128 * 8) {
-      uint4 v = ldg16(row + i);
-      u32 w[4] = {v.x, v.y, v.z, v.w};
+    for (int base = 0; base < K; base += 1024 * QUANT_PASSES) {
+      quant_load(row, K, base, v);
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        amax = fmaxf(amax, fmaxf(fabsf(bf16_to_f32(w[j] & 0xffff)), fabsf(bf16_to_f32(w[j] >> 16))));
+      for (int p = 0; p < QUANT_PASSES; ++p) {
+        if (base + p * 1024 + threadIdx.x * 8 >= K) break;
+        const u32 w[4] = {v[p].x, v[p].y, v[p].z, v[p].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          amax = fmaxf(amax, fmaxf(fabsf(bf16_to_f32(w[j] & 0xffff)), fabsf(bf16_to_f32(w[j] >> 16))));
+      }
     }
 #pragma unroll
     for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -365,44 +381,48 @@ extern "C" __global__ void __launch_bounds__(128) quant_fp8_rows(
     row_scale = fmaxf(amax, 1e-4f) / 448.0f;
     if (threadIdx.x == 0) s[r] = row_scale;
   }
-  for (int base = 0; base < K; base += 128 * 8) {
-    const int i = base + threadIdx.x * 8;
-    const bool in = i < K;
-    float f[8];
-    if (in) {
-      uint4 v = ldg16(row + i);
-      u32 w[4] = {v.x, v.y, v.z, v.w};
+  for (int base = 0; base < K; base += 1024 * QUANT_PASSES) {
+    quant_load(row, K, base, v);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        f[2 * j] = bf16_to_f32(w[j] & 0xffff);
-        f[2 * j + 1] = bf16_to_f32(w[j] >> 16);
+    for (int p = 0; p < QUANT_PASSES; ++p) {
+      if (base + p * 1024 >= K) break;   // the same for every thread: the shuffles below see whole warps
+      const int i = base + p * 1024 + threadIdx.x * 8;
+      const bool in = i < K;
+      float f[8];
+      if (in) {
+        const u32 w[4] = {v[p].x, v[p].y, v[p].z, v[p].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          f[2 * j] = bf16_to_f32(w[j] & 0xffff);
+          f[2 * j + 1] = bf16_to_f32(w[j] >> 16);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) f[j] = 0.f;
       }
-    } else {
+      float scale = row_scale;
+      if (mode == 1) {   // 16 lanes (a half warp) hold one 128-group; K % 128 == 0 keeps groups whole
+        float amax = 0.f;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) f[j] = 0.f;
-    }
-    float scale = row_scale;
-    if (mode == 1) {   // 16 lanes (a half warp) hold one 128-group; K % 128 == 0 keeps groups whole
-      float amax = 0.f;
+        for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(f[j]));
 #pragma unroll
-      for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(f[j]));
-#pragma unroll
-      for (int o = 8; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-      scale = fmaxf(amax, 1e-4f) / 448.0f;
-      if (in && (threadIdx.x & 15) == 0) s[(size_t)r * (K / 128) + i / 128] = scale;
+        for (int o = 8; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+        scale = fmaxf(amax, 1e-4f) / 448.0f;
+        if (in && (threadIdx.x & 15) == 0) s[(size_t)r * (K / 128) + i / 128] = scale;
+      }
+      if (!in) continue;
+      u32 out0 = (u32)f32x2_to_e4m3x2(f[0] / scale, f[1] / scale) | ((u32)f32x2_to_e4m3x2(f[2] / scale, f[3] / scale) << 16);
+      u32 out1 = (u32)f32x2_to_e4m3x2(f[4] / scale, f[5] / scale) | ((u32)f32x2_to_e4m3x2(f[6] / scale, f[7] / scale) << 16);
+      int dst = i;
+      if (mode == 2) {
+        const int c = i & 63;
+        dst = (i - c) + 16 * ((c & 31) >> 3) + 8 * (c >> 5);
+      }
+      uint2 packed;
+      packed.x = out0;
+      packed.y = out1;
+      *reinterpret_cast<uint2*>(qrow + dst) = packed;
     }
-    if (!in) continue;
-    u32 out0 = (u32)f32x2_to_e4m3x2(f[0] / scale, f[1] / scale) | ((u32)f32x2_to_e4m3x2(f[2] / scale, f[3] / scale) << 16);
-    u32 out1 = (u32)f32x2_to_e4m3x2(f[4] / scale, f[5] / scale) | ((u32)f32x2_to_e4m3x2(f[6] / scale, f[7] / scale) << 16);
-    int dst = i;
-    if (mode == 2) {
-      const int c = i & 63;
-      dst = (i - c) + 16 * ((c & 31) >> 3) + 8 * (c >> 5);
-    }
-    uint2 packed;
-    packed.x = out0;
-    packed.y = out1;
-    *reinterpret_cast<uint2*>(qrow + dst) = packed;
   }
 }
 
@@ -473,6 +493,10 @@ extern "C" __global__ void __launch_bounds__(128) act_rows(
 // ------------------------------------------------------------------------------------------------
 // y is fp32 (ybf16 = 0) or bf16 (ybf16 = 1), rows in sorted order. One thread per 4 channels.
 // Pair tiles (pair_pos null): row p of y is pair p, its local expert read through ids and local_map.
+// The pairs are taken COMBINE_BATCH at a time, each stage's loads issued before any of its values is
+// tested (rows or ids, then experts, then y and biases): one pair after another cost two dependent L2
+// round trips each, most of the kernel's time at one token. The sum still runs in pair order.
+#define COMBINE_BATCH 8
 extern "C" __global__ void __launch_bounds__(256) moe_combine(
     const void* y, int ybf16, const int* pair_pos, const int* sorted_expert,
     const float* topk_w, const float* __restrict__ bias, u16* __restrict__ out, int H, int topk,
@@ -482,34 +506,54 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(
   const int c = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
   if (c >= H) return;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int j = 0; j < topk; ++j) {
-    const int p = t * topk + j;
-    int pos, le;
-    if (pair_pos) {
-      pos = pair_pos[p];
-      if (pos < 0) continue;
-      le = bias ? sorted_expert[pos] : 0;
-    } else {
-      le = local_expert(ids, local_map, num_experts, p);
-      if (le < 0) continue;
-      pos = p;
-    }
-    float v[4];
-    if (ybf16) {
-      uint2 raw = *reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(y) + (size_t)pos * H + c);
-      v[0] = bf16_to_f32(raw.x & 0xffff); v[1] = bf16_to_f32(raw.x >> 16);
-      v[2] = bf16_to_f32(raw.y & 0xffff); v[3] = bf16_to_f32(raw.y >> 16);
-    } else {
-      float4 raw = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(y) + (size_t)pos * H + c);
-      v[0] = raw.x; v[1] = raw.y; v[2] = raw.z; v[3] = raw.w;
-    }
-    if (bias) {
-      const float4 b = *reinterpret_cast<const float4*>(bias + (size_t)le * H + c);
-      v[0] += b.x; v[1] += b.y; v[2] += b.z; v[3] += b.w;
-    }
-    const float w = topk_w[p];
+  for (int j0 = 0; j0 < topk; j0 += COMBINE_BATCH) {
+    const int n = topk - j0 < COMBINE_BATCH ? topk - j0 : COMBINE_BATCH;
+    const int p0 = t * topk + j0;
+    int pos[COMBINE_BATCH], le[COMBINE_BATCH];
+    float w[COMBINE_BATCH];
+    long long g[COMBINE_BATCH];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[i] += v[i] * w;
+    for (int q = 0; q < COMBINE_BATCH; ++q) {
+      pos[q] = -1; le[q] = -1; w[q] = 0.f; g[q] = -1;
+      if (q < n) {
+        w[q] = topk_w[p0 + q];
+        if (pair_pos) pos[q] = pair_pos[p0 + q];
+        else g[q] = ids[p0 + q];
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < COMBINE_BATCH; ++q) {
+      if (pair_pos) le[q] = (bias && pos[q] >= 0) ? sorted_expert[pos[q]] : 0;
+      else {
+        le[q] = (g[q] >= 0 && g[q] < num_experts) ? local_map[g[q]] : -1;
+        pos[q] = le[q] >= 0 ? p0 + q : -1;
+      }
+    }
+    float v[COMBINE_BATCH][4];
+#pragma unroll
+    for (int q = 0; q < COMBINE_BATCH; ++q) {
+      v[q][0] = v[q][1] = v[q][2] = v[q][3] = 0.f;
+      if (pos[q] >= 0) {
+        if (ybf16) {
+          const uint2 raw = *reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(y) + (size_t)pos[q] * H + c);
+          v[q][0] = bf16_to_f32(raw.x & 0xffff); v[q][1] = bf16_to_f32(raw.x >> 16);
+          v[q][2] = bf16_to_f32(raw.y & 0xffff); v[q][3] = bf16_to_f32(raw.y >> 16);
+        } else {
+          const float4 raw = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(y) + (size_t)pos[q] * H + c);
+          v[q][0] = raw.x; v[q][1] = raw.y; v[q][2] = raw.z; v[q][3] = raw.w;
+        }
+        if (bias) {
+          const float4 b = *reinterpret_cast<const float4*>(bias + (size_t)le[q] * H + c);
+          v[q][0] += b.x; v[q][1] += b.y; v[q][2] += b.z; v[q][3] += b.w;
+        }
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < COMBINE_BATCH; ++q)
+      if (pos[q] >= 0) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[i] += v[q][i] * w[q];
+      }
   }
   uint2 o;
   o.x = (u32)f32_to_bf16(acc[0]) | ((u32)f32_to_bf16(acc[1]) << 16);
@@ -550,6 +594,7 @@ __device__ __forceinline__ void route_argmax(float& v, int& i) {
 // (a per-token counter, which that CTA resets for the next launch or graph replay) takes the scores and
 // the top-k. Two launches before: the second one's launch latency was most of the router's time at decode.
 #define ROUTE_EPB 4   // experts (warps) per CTA
+#define ROUTE_LOADS 8 // 16-byte loads of the weight row in flight per lane
 
 template <int NT>
 __device__ void route_topk(
@@ -565,8 +610,12 @@ __device__ void route_topk(
   __shared__ float stat[2];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warps = NT / 32;
+  static_assert(NT >= ROUTE_MAX_GROUPS && NT >= (NT / 32) * ROUTE_MAX_K, "one thread per group and per candidate");
   // The logits come from other CTAs of this launch: read them from L2, never a stale L1 line.
   for (int e = tid; e < E; e += NT) logit[e] = __ldcg(logits_in + (size_t)t * E + e);
+  // A softmax renormalised over its picks is the LOGITS rule: the sum over every expert cancels, and exp
+  // keeps the order. That skips the block-wide max and sum (five barriers).
+  if (mode == ROUTE_SOFTMAX && renormalize) mode = ROUTE_LOGITS;
   __syncthreads();
 
   if (mode == ROUTE_SOFTMAX) {
@@ -597,10 +646,10 @@ __device__ void route_topk(
     if (topk_group < n_group) {
       // Few groups (<= 64), each scored by its best two: warp w takes groups w, w + warps, ...; each lane keeps
       // the top two of its share as a sequential scan does (duplicates counted), and the warp merges the
-      // pairs (the top two of a union of two pairs). Then thread 0 keeps the best topk_group, ties to the
-      // lower group, and all threads take the other groups' experts out.
+      // pairs (the top two of a union of two pairs). Then thread g keeps group g if fewer than topk_group
+      // groups beat it (ties to the lower group), and all threads take the other groups' experts out.
       __shared__ float gscore[ROUTE_MAX_GROUPS];
-      __shared__ unsigned long long keep;
+      __shared__ int keep[ROUTE_MAX_GROUPS];
       const int per = E / n_group;
       for (int g = warp; g < n_group; g += warps) {
         float b1 = ROUTE_NEG_INF, b2 = ROUTE_NEG_INF;
@@ -616,20 +665,16 @@ __device__ void route_topk(
         if (lane == 0) gscore[g] = b1 + b2;
       }
       __syncthreads();
-      if (tid == 0) {
-        unsigned long long kept = 0ull;
-        for (int r = 0; r < topk_group; ++r) {
-          int best = -1;
-          for (int g = 0; g < n_group; ++g)
-            if (!((kept >> g) & 1ull) && (best < 0 || gscore[g] > gscore[best])) best = g;
-          kept |= 1ull << best;
-        }
-        keep = kept;
+      if (tid < n_group) {
+        const float s = gscore[tid];
+        int rank = 0;
+        for (int g = 0; g < n_group; ++g) rank += (gscore[g] > s) | ((gscore[g] == s) & (g < tid));
+        keep[tid] = rank < topk_group;
       }
       __syncthreads();
       for (int e = tid; e < E; e += NT) {
         const int g = e / per;
-        if (g < n_group && !((keep >> g) & 1ull)) choice[e] = ROUTE_NEG_INF;
+        if (g < n_group && !keep[g]) choice[e] = ROUTE_NEG_INF;
       }
     }
   } else {
@@ -638,17 +683,37 @@ __device__ void route_topk(
   __syncthreads();
 
   if (E <= 4 * NT) {
-    // Top-k by rank, one pass: an expert's rank is how many others beat it (higher, or equal at a lower
-    // index: the order the arg-max rounds below pick in); ranks below k are the picks, in order. Cheaper
-    // than k rounds of block-wide reductions for up to a few hundred experts. `picked` starts at 0 so that
-    // non-finite scores (which rank nothing consistently) still name a valid expert.
+    // Top-k by rank in two levels. An expert's rank is how many others beat it (higher, or equal at a lower
+    // index: the order the arg-max rounds below pick in). Each warp ranks the experts of its contiguous
+    // share among that share; its k best are candidates, and ranks among the candidates below k are the
+    // picks, in order (the k best of all are among the k best of their shares). At E = 256 that is 160
+    // comparisons a thread where one level took 512. A slot no expert fills (a short share) stays -1;
+    // `picked` starts at 0 so that non-finite scores (which rank nothing consistently) still name a valid
+    // expert.
+    __shared__ int cand[(NT / 32) * ROUTE_MAX_K];
+    const int share = (E + warps - 1) / warps, lo = warp * share, hi = lo + share < E ? lo + share : E;
+    const int kw = k < share ? k : share;   // candidate slots of each warp
+    if (tid < warps * kw) cand[tid] = -1;
     if (tid < k) picked[tid] = 0;
     __syncthreads();
-    for (int e = tid; e < E; e += NT) {
+    for (int e = lo + lane; e < hi; e += 32) {
       const float c = choice[e];
       int rank = 0;
 #pragma unroll 8
-      for (int j = 0; j < E; ++j) {
+      for (int j = lo; j < hi; ++j) {
+        const float o = choice[j];
+        rank += (o > c) | ((o == c) & (j < e));
+      }
+      if (rank < kw) cand[warp * kw + rank] = e;
+    }
+    __syncthreads();
+    const int e = tid < warps * kw ? cand[tid] : -1;
+    if (e >= 0) {
+      const float c = choice[e];
+      int rank = 0;
+      for (int i = 0; i < warps * kw; ++i) {
+        const int j = cand[i];
+        if (j < 0) continue;
         const float o = choice[j];
         rank += (o > c) | ((o == c) & (j < e));
       }
@@ -676,20 +741,28 @@ __device__ void route_topk(
     __syncthreads();
   }
 
-  if (tid == 0) {
-    float wsum = 0.f, wmax = ROUTE_NEG_INF;
-    for (int r = 0; r < k; ++r) { const float v = logit[picked[r]]; wsum += v; wmax = fmaxf(wmax, v); }
-    float esum = 0.f;
-    if (mode == ROUTE_LOGITS)
-      for (int r = 0; r < k; ++r) esum += __expf(logit[picked[r]] - wmax);
-    for (int r = 0; r < k; ++r) {
-      const float v = logit[picked[r]];
-      float out;
-      if (mode == ROUTE_LOGITS) out = __expf(v - wmax) / esum;
-      else if (mode == ROUTE_SIGMOID) out = (renormalize ? v / (wsum + 1e-20f) : v) * scale;
-      else out = renormalize ? v / wsum : v;
-      ids[(size_t)t * k + r] = picked[r];
-      weights[(size_t)t * k + r] = out;
+  // The weights: lane r of warp 0 takes pick r (k <= 32), the sum and max over the picks by shuffles.
+  if (warp == 0) {
+    const bool mine = lane < k;
+    const int e = mine ? picked[lane] : 0;
+    const float v = mine ? logit[e] : 0.f;
+    float wmax = mine ? v : ROUTE_NEG_INF, wsum = v;
+    for (int off = 16; off > 0; off >>= 1) {
+      wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffffu, wmax, off));
+      wsum += __shfl_xor_sync(0xffffffffu, wsum, off);
+    }
+    float out = v;   // SOFTMAX here is never renormalised (that runs as LOGITS)
+    if (mode == ROUTE_LOGITS) {
+      const float x = mine ? __expf(v - wmax) : 0.f;
+      float esum = x;
+      for (int off = 16; off > 0; off >>= 1) esum += __shfl_xor_sync(0xffffffffu, esum, off);
+      out = x / esum;
+    } else if (mode == ROUTE_SIGMOID) {
+      out = (renormalize ? v / (wsum + 1e-20f) : v) * scale;
+    }
+    if (mine) {
+      ids[(size_t)t * k + lane] = e;
+      weights[(size_t)t * k + lane] = out;
     }
   }
 }
@@ -719,16 +792,26 @@ extern "C" __global__ void __launch_bounds__(ROUTE_EPB * 32) moe_route(
     } else {
       const u16* row = reinterpret_cast<const u16*>(w) + (size_t)e * H;
       if ((H & 7) == 0) {
-        // Unrolled so that several 16-byte loads are in flight per lane (the row is only H / 256 of them).
-#pragma unroll 8
-        for (int h = lane * 8; h < H; h += 256) {
-          const uint4 wv = *reinterpret_cast<const uint4*>(row + h);
-          const uint4 xv = *reinterpret_cast<const uint4*>(xr + h);
-          const u32 ws[4] = {wv.x, wv.y, wv.z, wv.w}, xs[4] = {xv.x, xv.y, xv.z, xv.w};
+        // ROUTE_LOADS 16-byte loads of the row and as many of the token issued per lane before any is used
+        // (the row is only H / 256 of them). A plain unrolled loop was scheduled load, use, load: one or two
+        // in flight, a DRAM round trip per one or two chunks.
+        for (int h0 = lane * 8; h0 < H; h0 += 256 * ROUTE_LOADS) {
+          uint4 wv[ROUTE_LOADS], xv[ROUTE_LOADS];
 #pragma unroll
-          for (int j = 0; j < 4; ++j)
-            acc += bf16_to_f32((u16)(xs[j] & 0xffffu)) * bf16_to_f32((u16)(ws[j] & 0xffffu)) +
-                   bf16_to_f32((u16)(xs[j] >> 16)) * bf16_to_f32((u16)(ws[j] >> 16));
+          for (int q = 0; q < ROUTE_LOADS; ++q)
+            if (h0 + 256 * q < H) {
+              wv[q] = *reinterpret_cast<const uint4*>(row + h0 + 256 * q);
+              xv[q] = *reinterpret_cast<const uint4*>(xr + h0 + 256 * q);
+            }
+#pragma unroll
+          for (int q = 0; q < ROUTE_LOADS; ++q)
+            if (h0 + 256 * q < H) {
+              const u32 ws[4] = {wv[q].x, wv[q].y, wv[q].z, wv[q].w}, xs[4] = {xv[q].x, xv[q].y, xv[q].z, xv[q].w};
+#pragma unroll
+              for (int j = 0; j < 4; ++j)
+                acc += bf16_to_f32((u16)(xs[j] & 0xffffu)) * bf16_to_f32((u16)(ws[j] & 0xffffu)) +
+                       bf16_to_f32((u16)(xs[j] >> 16)) * bf16_to_f32((u16)(ws[j] >> 16));
+            }
         }
       } else {
         for (int h = lane; h < H; h += 32) acc += bf16_to_f32(xr[h]) * bf16_to_f32(row[h]);

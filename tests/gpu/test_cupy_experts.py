@@ -186,6 +186,30 @@ def test_one_token_pairs_path_gives_the_sorted_paths_bits(cls, activation):
         assert_rel_close(whole(*args).cpu(), expected, *_tolerance(cls.FORMAT))
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_a_top_k_beyond_one_combine_batch_sums_every_pair(tokens, bias):
+    """moe_combine takes a token's pairs 8 at a time (COMBINE_BATCH): a top-k of 11 is a full batch and a
+    partial one. With a dropped slot in each batch, on the pairs path (one token) and the sorted path, the
+    whole layer matches VANILLA, and two expert-parallel ranks (each skipping the other's pairs) sum to it."""
+    spec = MoeShape(320, 128, 16, 11, "swiglu_oai" if bias else "silu_glu", expert_bias=bias)
+    tensors = make_expert_tensors(spec, "bf16", seed=71 + bias, weight_std=3.0 if bias else 1.0)
+    ids, weights = random_routing(tokens, spec, seed=72 + tokens)
+    ids[0, 2] = -1
+    ids[-1, 9] = -1
+    hidden = random_hidden(tokens, spec, seed=73 + tokens)
+    args = (hidden.cuda(), ids.cuda(), weights.cuda())
+    whole = _module(CupyMmaBf16Experts, spec, tensors)
+    assert whole.plan(tokens, spec.top_k)[0] == ("pairs" if tokens == 1 else "kernels")
+    expected = _reference(CupyMmaBf16Experts, spec, tensors, hidden, ids.clamp(min=0), weights * (ids >= 0))
+    out = whole(*args)
+    assert not out.isnan().any()
+    assert_rel_close(out.cpu(), expected, *_tolerance("bf16"))
+    ranks = [_module(CupyMmaBf16Experts, spec, tensors, ExpertParallel(ep_size=2, ep_rank=r)) for r in range(2)]
+    total = sum(rank(*args).float() for rank in ranks)
+    assert_rel_close(total.cpu(), out.float().cpu(), 4e-3, 8e-2)
+
+
 def test_the_pairs_path_replays_in_a_cuda_graph():
     spec = MoeShape(320, 192, 8, 2, "swiglu_oai", expert_bias=True)
     module = _module(CupyMmaBf16Experts, spec, make_expert_tensors(spec, "bf16", seed=43, weight_std=3.0))
@@ -227,21 +251,26 @@ def test_all_tokens_on_one_expert_and_ids_outside_the_layer(cls):
     assert torch.count_nonzero(out[::7].float()).item() == 0
 
 
-def test_fp8_activation_quantization_matches_the_codecs():
+@pytest.mark.parametrize("width", [384, 7168, 9216])
+def test_fp8_activation_quantization_matches_the_codecs(width):
+    """quant_fp8_rows against runtime/formats/fp8.py, bit for bit: a row of under one pass of the CTA, DeepSeek-V3's
+    7168 (seven passes, one batch of loads) and 9216 (two batches of QUANT_PASSES)."""
+    import numpy as np
+
     from runtime import kernels as K
     from runtime.formats import fp8
 
     kern = K.load(K.gemm_instances("fp8_block_scales", (K.EPI_DOWN,)), "cuda")
-    x = (torch.randn(9, 384, generator=torch.Generator().manual_seed(5)) * 3).bfloat16()
+    x = (torch.randn(9, width, generator=torch.Generator().manual_seed(width)) * 3).bfloat16()
     x[2, :128] = 0          # an all-zero group: amax floored at 1e-4
+    x[5, -3] = 40.0         # a row's largest element in its last pass
     xg = x.cuda()
     stream = torch.cuda.current_stream().cuda_stream
-    import numpy as np
     for mode in (1, 2):
-        q = torch.empty(9, 384, dtype=torch.uint8, device="cuda")
-        s = torch.empty((9, 3) if mode == 1 else (9,), dtype=torch.float32, device="cuda")
+        q = torch.empty(9, width, dtype=torch.uint8, device="cuda")
+        s = torch.empty((9, width // 128) if mode == 1 else (9,), dtype=torch.float32, device="cuda")
         kern.launch("quant_fp8_rows", (9,), (128,), (np.uint64(xg.data_ptr()), np.uint64(0), np.uint64(q.data_ptr()),
-                                                      np.uint64(s.data_ptr()), np.int32(384), np.int32(mode)), stream)
+                                                      np.uint64(s.data_ptr()), np.int32(width), np.int32(mode)), stream)
         if mode == 1:
             codes, scales = fp8.quantize_act_groups(x)
         else:
@@ -249,7 +278,7 @@ def test_fp8_activation_quantization_matches_the_codecs():
             scales = scales[:, 0]
             # the w4a8 GEMM reads each 64-chunk permuted: element 32s + 8t + i at byte 16t + 8s + i
             perm = [32 * (b % 16 // 8) + 8 * (b // 16) + b % 8 for b in range(64)]
-            codes = codes.view(torch.uint8).reshape(9, 6, 64)[:, :, perm].reshape(9, 384).view(torch.float8_e4m3fn)
+            codes = codes.view(torch.uint8).reshape(9, width // 64, 64)[:, :, perm].reshape(9, width).view(torch.float8_e4m3fn)
         assert torch.equal(q.cpu(), codes.view(torch.uint8)), mode
         assert torch.equal(s.cpu(), scales.float()), mode
 

@@ -25,7 +25,19 @@ CASES = {
     "minimax_bf16_gemm": (lambda: SigmoidTopKRouter(hidden_size=3072, num_experts=256, top_k=8, fp32_gemm=False,
                                                     dtype=torch.bfloat16), 3072),
     "gpt_oss_logits": (lambda: LinearTopKSoftmaxRouter(hidden_size=2880, num_experts=128, top_k=4, dtype=torch.bfloat16), 2880),
+    # a softmax that keeps its probabilities (OLMoE): the one rule that still takes the block-wide softmax
+    "olmoe_softmax_plain": (lambda: SoftmaxTopKRouter(hidden_size=2048, num_experts=64, top_k=8, norm_topk_prob=False,
+                                                      dtype=torch.bfloat16), 2048),
+    # 512 experts, top-10 (Qwen3-Next): four experts a lane in the top-k's first level, ten picks a warp
+    "qwen3_next_softmax": (lambda: SoftmaxTopKRouter(hidden_size=2048, num_experts=512, top_k=10, norm_topk_prob=True,
+                                                     dtype=torch.bfloat16), 2048),
+    # 30 experts over 4 warps: the last warp's share (6) is shorter than the top-k (8)
+    "short_share": (lambda: SigmoidTopKRouter(hidden_size=256, num_experts=30, top_k=8, dtype=torch.bfloat16), 256),
 }
+
+
+# The cases whose GEMM rounds the logits to bf16, as torch's bf16 GEMM does.
+ROUNDED_LOGITS = ("qwen3_softmax", "gpt_oss_logits", "minimax_bf16_gemm", "olmoe_softmax_plain", "qwen3_next_softmax")
 
 
 def _router(name: str):
@@ -66,7 +78,7 @@ def test_the_kernel_routes_as_torch_does(name, tokens):
     # differs in the last fp32 bits can round to the neighbouring bf16 value: one bf16 ulp of a logit
     # below 16 is at most 2^-4, which moves its softmax weight by up to ~6 % (seen on an H200: 2.4 % and
     # 2.9 %, one weight in a few hundred). Where the logits stay fp32 the weights agree to 1e-2.
-    rtol = 6.25e-2 if name in ("qwen3_softmax", "gpt_oss_logits", "minimax_bf16_gemm") else 1e-2
+    rtol = 6.25e-2 if name in ROUNDED_LOGITS else 1e-2
     for row, ok in enumerate(same):
         if ok:
             order, ref_order = ids[row].argsort(), ref_ids[row].argsort()
@@ -104,3 +116,34 @@ def test_the_one_launch_kernel_leaves_its_counters_at_zero_and_repeats_itself(to
             same = sum(set(a.tolist()) == set(b.tolist()) for a, b in zip(ids, ref_ids))
             assert same >= max(1, int(0.95 * tokens))
     assert int(router_kernel._COUNTERS[x.device].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("name", ["qwen3_softmax", "minimax_bf16_gemm", "qwen3_next_softmax"])
+def test_tied_experts_are_picked_lower_index_first(name):
+    """Expert i + E/2 gets expert i's weight row, so their logits tie exactly, and the two sit in different
+    warps' shares of the kernel's two-level top-k. Ties pick the lower index first: the picks run in
+    non-increasing weight, equal weights in increasing index, and each upper expert picked comes after its
+    lower twin with the same weight. (Rounded bf16 logits also tie between unrelated experts, so the twins
+    need not be adjacent.)"""
+    router, hidden = _router(name)
+    half = router.weight.shape[0] // 2
+    with torch.no_grad():
+        router.weight[half:] = router.weight[:half]
+        bias = getattr(router, "e_score_correction_bias", None)
+        if bias is not None:   # a choice bias picks in another order than the weights': none here
+            bias.zero_()
+    x = torch.randn(16, hidden, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        ids, weights = router(x)
+    uppers = 0
+    for row_ids, row_weights in zip(ids.tolist(), weights.tolist()):
+        for r in range(len(row_ids) - 1):
+            assert row_weights[r] >= row_weights[r + 1], (row_ids, row_weights)
+            if row_weights[r] == row_weights[r + 1]:
+                assert row_ids[r] < row_ids[r + 1], (row_ids, row_weights)
+        for r, e in enumerate(row_ids):
+            if e >= half:
+                uppers += 1
+                twin = row_ids.index(e - half)   # raises if the lower twin was not picked
+                assert twin < r and row_weights[twin] == row_weights[r], (row_ids, row_weights)
+    assert uppers >= 16   # the twins do get picked: the test sees the cross-share ties
