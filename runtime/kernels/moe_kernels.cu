@@ -128,6 +128,18 @@ __device__ __forceinline__ void mma_e4m3(float (&c)[4], u32 a0, u32 a1, u32 a2, 
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// Sum and max over the 32 lanes of a warp (butterfly: every lane gets the result, in the same order).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+
 // bf16x2 multiply (subnormal inputs are supported by the half-precision FMA path).
 __device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
   u32 d;
@@ -165,11 +177,14 @@ __device__ __forceinline__ float act_gated(int kind, float g, float u, float alp
 // ------------------------------------------------------------------------------------------------
 // routing: counting sort of (token, slot) pairs by local expert, and the GEMM tile list
 // ------------------------------------------------------------------------------------------------
-// Pair p's local expert (its global id through this rank's map), or -1: a dropped slot or another rank's.
+// Global expert id g through this rank's map, or -1: a dropped slot or another rank's expert.
+__device__ __forceinline__ int local_of(long long g, const int* __restrict__ local_map, int num_experts) {
+  return (g >= 0 && g < num_experts) ? local_map[g] : -1;
+}
+// Pair p's local expert.
 __device__ __forceinline__ int local_expert(const long long* ids, const int* __restrict__ local_map,
                                             int num_experts, int p) {
-  const long long g = ids[p];
-  return (g >= 0 && g < num_experts) ? local_map[g] : -1;
+  return local_of(ids[p], local_map, num_experts);
 }
 
 // The sort's two passes over pairs first, first + blockDim.x, ... below `end` (first: p0 + the thread's
@@ -373,8 +388,7 @@ extern "C" __global__ void __launch_bounds__(128) quant_fp8_rows(
           amax = fmaxf(amax, fmaxf(fabsf(bf16_to_f32(w[j] & 0xffff)), fabsf(bf16_to_f32(w[j] >> 16))));
       }
     }
-#pragma unroll
-    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    amax = warp_max(amax);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = amax;
     __syncthreads();
     amax = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
@@ -525,7 +539,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(
     for (int q = 0; q < COMBINE_BATCH; ++q) {
       if (pair_pos) le[q] = (bias && pos[q] >= 0) ? sorted_expert[pos[q]] : 0;
       else {
-        le[q] = (g[q] >= 0 && g[q] < num_experts) ? local_map[g[q]] : -1;
+        le[q] = local_of(g[q], local_map, num_experts);
         pos[q] = le[q] >= 0 ? p0 + q : -1;
       }
     }
@@ -580,12 +594,16 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(
 #define ROUTE_MAX_GROUPS 64   // router.py MAX_GROUPS
 #define ROUTE_NEG_INF __int_as_float(0xff800000)   // NVRTC has no math headers: no INFINITY
 
+// The router's one order: score o of expert (or group) j beats score c of e if higher, or equal at a lower
+// index. Every selection below (arg-max rounds, ranks, kept groups) picks by it.
+__device__ __forceinline__ bool route_beats(float o, int j, float c, int e) { return (o > c) | ((o == c) & (j < e)); }
+
 __device__ __forceinline__ void route_argmax(float& v, int& i) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) {
     const float ov = __shfl_xor_sync(0xffffffffu, v, off);
     const int oi = __shfl_xor_sync(0xffffffffu, i, off);
-    if (ov > v || (ov == v && oi < i)) { v = ov; i = oi; }
+    if (route_beats(ov, oi, v, i)) { v = ov; i = oi; }
   }
 }
 
@@ -610,7 +628,7 @@ __device__ void route_topk(
   __shared__ float stat[2];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warps = NT / 32;
-  static_assert(NT >= ROUTE_MAX_GROUPS && NT >= (NT / 32) * ROUTE_MAX_K, "one thread per group and per candidate");
+  static_assert(NT >= ROUTE_MAX_GROUPS && ROUTE_MAX_K <= 32, "a thread per group; a lane per pick, a thread per candidate");
   // The logits come from other CTAs of this launch: read them from L2, never a stale L1 line.
   for (int e = tid; e < E; e += NT) logit[e] = __ldcg(logits_in + (size_t)t * E + e);
   // A softmax renormalised over its picks is the LOGITS rule: the sum over every expert cancels, and exp
@@ -622,14 +640,14 @@ __device__ void route_topk(
     // Block max and sum of exp: the probabilities, which both choose and weigh.
     float m = ROUTE_NEG_INF;
     for (int e = tid; e < E; e += NT) m = fmaxf(m, logit[e]);
-    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    m = warp_max(m);
     if (lane == 0) red_v[warp] = m;
     __syncthreads();
     if (tid == 0) { float mm = red_v[0]; for (int i = 1; i < warps; ++i) mm = fmaxf(mm, red_v[i]); stat[0] = mm; }
     __syncthreads();
     float sum = 0.f;
     for (int e = tid; e < E; e += NT) { const float p = __expf(logit[e] - stat[0]); choice[e] = p; sum += p; }
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    sum = warp_sum(sum);
     __syncthreads();
     if (lane == 0) red_v[warp] = sum;
     __syncthreads();
@@ -668,7 +686,7 @@ __device__ void route_topk(
       if (tid < n_group) {
         const float s = gscore[tid];
         int rank = 0;
-        for (int g = 0; g < n_group; ++g) rank += (gscore[g] > s) | ((gscore[g] == s) & (g < tid));
+        for (int g = 0; g < n_group; ++g) rank += route_beats(gscore[g], g, s, tid);
         keep[tid] = rank < topk_group;
       }
       __syncthreads();
@@ -700,10 +718,7 @@ __device__ void route_topk(
       const float c = choice[e];
       int rank = 0;
 #pragma unroll 8
-      for (int j = lo; j < hi; ++j) {
-        const float o = choice[j];
-        rank += (o > c) | ((o == c) & (j < e));
-      }
+      for (int j = lo; j < hi; ++j) rank += route_beats(choice[j], j, c, e);
       if (rank < kw) cand[warp * kw + rank] = e;
     }
     __syncthreads();
@@ -713,9 +728,7 @@ __device__ void route_topk(
       int rank = 0;
       for (int i = 0; i < warps * kw; ++i) {
         const int j = cand[i];
-        if (j < 0) continue;
-        const float o = choice[j];
-        rank += (o > c) | ((o == c) & (j < e));
+        if (j >= 0) rank += route_beats(choice[j], j, c, e);
       }
       if (rank < k) picked[rank] = e;
     }
@@ -727,7 +740,7 @@ __device__ void route_topk(
     int i = 0x7fffffff;
     for (int e = tid; e < E; e += NT) {
       const float c = choice[e];
-      if (c > v || (c == v && e < i)) { v = c; i = e; }
+      if (route_beats(c, e, v, i)) { v = c; i = e; }
     }
     route_argmax(v, i);
     if (lane == 0) { red_v[warp] = v; red_i[warp] = i; }
@@ -746,19 +759,12 @@ __device__ void route_topk(
     const bool mine = lane < k;
     const int e = mine ? picked[lane] : 0;
     const float v = mine ? logit[e] : 0.f;
-    float wmax = mine ? v : ROUTE_NEG_INF, wsum = v;
-    for (int off = 16; off > 0; off >>= 1) {
-      wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffffu, wmax, off));
-      wsum += __shfl_xor_sync(0xffffffffu, wsum, off);
-    }
     float out = v;   // SOFTMAX here is never renormalised (that runs as LOGITS)
     if (mode == ROUTE_LOGITS) {
-      const float x = mine ? __expf(v - wmax) : 0.f;
-      float esum = x;
-      for (int off = 16; off > 0; off >>= 1) esum += __shfl_xor_sync(0xffffffffu, esum, off);
-      out = x / esum;
+      const float x = mine ? __expf(v - warp_max(mine ? v : ROUTE_NEG_INF)) : 0.f;
+      out = x / warp_sum(x);
     } else if (mode == ROUTE_SIGMOID) {
-      out = (renormalize ? v / (wsum + 1e-20f) : v) * scale;
+      out = (renormalize ? v / (warp_sum(v) + 1e-20f) : v) * scale;
     }
     if (mine) {
       ids[(size_t)t * k + lane] = e;
@@ -817,8 +823,7 @@ extern "C" __global__ void __launch_bounds__(ROUTE_EPB * 32) moe_route(
         for (int h = lane; h < H; h += 32) acc += bf16_to_f32(xr[h]) * bf16_to_f32(row[h]);
       }
     }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    acc = warp_sum(acc);
     if (lane == 0) {
       if (logit_bias) acc += logit_bias[e];
       logits[(size_t)t * E + e] = round_logits ? bf16_to_f32(f32_to_bf16(acc)) : acc;
