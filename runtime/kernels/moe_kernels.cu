@@ -760,8 +760,10 @@ __device__ void route_topk(
     const int e = mine ? picked[lane] : 0;
     const float v = mine ? logit[e] : 0.f;
     float out = v;   // SOFTMAX here is never renormalised (that runs as LOGITS)
+    // mode and renormalize are the same for every lane: each reduction below runs on the whole warp
     if (mode == ROUTE_LOGITS) {
-      const float x = mine ? __expf(v - warp_max(mine ? v : ROUTE_NEG_INF)) : 0.f;
+      const float wmax = warp_max(mine ? v : ROUTE_NEG_INF);
+      const float x = mine ? __expf(v - wmax) : 0.f;
       out = x / warp_sum(x);
     } else if (mode == ROUTE_SIGMOID) {
       out = (renormalize ? v / (warp_sum(v) + 1e-20f) : v) * scale;
