@@ -1,6 +1,7 @@
 """Capturing a decode phase as a CUDA graph: one warm-up outside the capture, with the state it advances restored, then the capture."""
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -43,7 +44,19 @@ def kernel_counters(size: int, device: torch.device, owner: str) -> torch.Tensor
     if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"{owner} makes its counters at its first call, and that call is inside a CUDA-graph "
                            "capture: call it once before capturing (as runtime.graphs.capture's warm-up does)")
-    return torch.zeros(size, dtype=torch.int32, device=device)
+    counters = torch.zeros(size, dtype=torch.int32, device=device)
+    _COUNTERS.append((owner, weakref.ref(counters)))
+    return counters
+
+
+# Every set kernel_counters made, with its owner, while it lives (tests/gpu/conftest.py checks they end at zero).
+_COUNTERS: list = []
+
+
+def live_kernel_counters() -> list[tuple[str, torch.Tensor]]:
+    """(owner, counters) of every kernel_counters set still alive."""
+    _COUNTERS[:] = [(owner, ref) for owner, ref in _COUNTERS if ref() is not None]
+    return [(owner, t) for owner, ref in _COUNTERS if (t := ref()) is not None]
 
 
 def advanced_in_place(caches) -> tuple[torch.Tensor, ...]:

@@ -38,6 +38,11 @@ _MAX_LOCAL_EXPERTS = 1024   # moe_align: one thread per local expert
 # pairs per CTA of the multi-CTA sort (moe_align_count / _scatter); calls with at most this many pairs
 # (decode) sort in one CTA, one launch
 _ALIGN_CTA_PAIRS = 2048
+# A GEMM item's fixed cost in 64-chunks of K walked (the split-K rule's model, `_split`). Any value from 8 to 56
+# picks the faster factor in every cell timed with each factor forced on the H200 (BENCHMARKS.md: the 4-bit
+# decode GEMMs of the eleventh session, deepseek_v3's FP8 GEMMs at one token of the fourteenth: gate/up SK = 2,
+# down SK = 1); the ratios of those times fit 2.6 to 38, so the model ranks factors, it does not predict times.
+_ITEM_OVERHEAD_CHUNKS = 12
 
 
 def _p(t: torch.Tensor | None) -> np.uint64:
@@ -296,13 +301,16 @@ class _CupyMmaExperts(ExpertsBase):
                      _i(hsize), _i(weights.shape[1]), _p(ids), _p(local_map), _i(self.spec.num_experts)), stream)
         return out if dtype == torch.bfloat16 else out.to(dtype)
 
-    def _split(self, kern, epi, tile, pairs, n, pair_tiles: bool = False):
-        """`tile` with the split-K factor of this GEMM: the largest compiled one whose items all fit in
-        one wave of resident CTAs (for the most token tiles `pairs` routed rows can make), so that a
-        decode call with few active experts spreads K over more warps instead of leaving SMs idle;
-        1 when the unsplit grid already fills the GPU (measured on the H200: split within one wave
-        27-29 % faster, over more waves 2-26 % slower; BENCHMARKS.md). Host-side, from the shape only
-        (CUDA graphs)."""
+    def _split(self, kern, epi, tile, pairs, n, k, pair_tiles: bool = False):
+        """`tile` with the split-K factor of this GEMM (`n` rows, K = `k`): the one of least modelled time,
+        waves x (chunks of K per warp + _ITEM_OVERHEAD_CHUNKS). A wave is one item for every resident CTA
+        (for the most token tiles `pairs` routed rows can make); a warp walks its 1/SK of K's 64-chunks and
+        pays a fixed cost per item (its loads' first latency, the epilogue, split K's barrier). Where the
+        largest split fits one wave, it wins: a decode call with few active experts spreads K over more
+        warps instead of leaving SMs idle (split within one wave 27-29 % faster, BENCHMARKS.md). Where even
+        SK = 1 takes more than one wave, a split wins only when it fills the last wave better: SK = 1's
+        1.29 waves at deepseek_v3's one-token gate/up leave 70 % of the CTAs idle in the second (SK = 2:
+        75.6 -> 71.0 µs). Host-side, from the shape only (CUDA graphs)."""
         if len(tile) > 2:
             return tuple(tile)
         # token tiles <= m + (pairs - m) // bt, m = min(experts, pairs): every active expert's first
@@ -310,17 +318,18 @@ class _CupyMmaExperts(ExpertsBase):
         bt = 8 * tile[1]
         m = min(len(self.expert_ids), pairs)
         tiles = m + (pairs - m) // bt
-        best = 1
-        for sk in K.splits(tile):
+
+        def cost(sk):
             split = (*tile, sk)
-            name = K.gemm_name(self.FORMAT, epi, split, pairs=pair_tiles)
-            if tiles * _row_blocks(n, split) <= kern.persistent_grid(name, 1 << 30):
-                best = sk
-        return (*tile, best)
+            grid = kern.persistent_grid(K.gemm_name(self.FORMAT, epi, split, pairs=pair_tiles), 1 << 30)
+            waves = -(-tiles * _row_blocks(n, split) // grid)
+            return waves * (k / 64 / sk + _ITEM_OVERHEAD_CHUNKS)
+
+        return (*tile, min((1,) + K.splits(tile), key=lambda sk: (cost(sk), -sk)))
 
     def _gemm(self, kern, stream, epi, tile, tiles: _Tiles, w, ws, ws2, a, a_scale, a_by_token, bias, out, n, k,
               inter, top_k, kind, alpha, limit):
-        tile = self._split(kern, epi, tile, tiles.routed, n, tiles.by_pair)
+        tile = self._split(kern, epi, tile, tiles.routed, n, k, tiles.by_pair)
         name = K.gemm_name(self.FORMAT, epi, tile, pairs=tiles.by_pair)
         grid = kern.persistent_grid(name, tiles.count * _row_blocks(n, tile))
         kern.launch(name, (grid,), (128,),

@@ -145,8 +145,9 @@ def test_split_k_decode_kernels_match_vanilla_and_repeat_exactly(cls):
     module = _module(cls, real, tensors)
     kern = module._kernels(torch.device("cuda"))
     # one token: the items of one of its GEMMs (experts x N / 64) fill too few SMs, so that GEMM is split
-    gemms = ((K.EPI_GATED, 2 * real.intermediate_size), (K.EPI_DOWN, real.hidden_size))
-    assert max(module._split(kern, epi, K.SPLIT_TILE, real.top_k, n, True)[2] for epi, n in gemms) > 1
+    gemms = ((K.EPI_GATED, 2 * real.intermediate_size, real.hidden_size),
+             (K.EPI_DOWN, real.hidden_size, real.intermediate_size))
+    assert max(module._split(kern, epi, K.SPLIT_TILE, real.top_k, n, k, True)[2] for epi, n, k in gemms) > 1
     ids, weights = random_routing(1, real, seed=85)
     hidden = random_hidden(1, real, seed=86)
     out = module(hidden.cuda(), ids.cuda(), weights.cuda())

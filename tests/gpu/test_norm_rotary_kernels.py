@@ -4,7 +4,7 @@ paths of `RMSNorm` and `apply_rotary` compute (issue 12: fewer launches per deco
 Oracles: a float64 formula written here, and the torch path of the same op on the same inputs (the kernel
 switched off). Rotary (half-split pairs, the kernel's only layout) rounds exactly as the torch path (each
 product and sum to the input dtype): equal bits. RMSNorm sums in another order: within one bf16 rounding
-of the torch path.
+of the torch path (two where it rounds twice).
 """
 from __future__ import annotations
 
@@ -41,7 +41,12 @@ def test_rms_norm_kernel_matches_torch_and_float64(size, mode, monkeypatch):
     xd, w = x.double(), norm.weight.double() + (1.0 if mode == "zero_centered" else 0.0)
     ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * w
     assert float((fused.double() - ref).norm() / ref.norm()) < 5e-3
-    torch.testing.assert_close(fused, torch_path, rtol=2 ** -7, atol=0)
+    # Both paths round once to bf16 from fp32 values that differ by the sum order (one ulp apart, 2^-7 relative
+    # at most), except cast_then_weight, which rounds the normed row to bf16 before the weight: a one-ulp
+    # difference there (2^-7) plus the final rounding of each path (2^-8 each) is 2^-6. A tighter 2^-7 failed on
+    # fresh seeds at 6-11 of 10^5 elements (2026-12-03, widths 2880 and 7168).
+    rtol = 2 ** -6 if mode == "cast_then_weight" else 2 ** -7
+    torch.testing.assert_close(fused, torch_path, rtol=rtol, atol=0)
 
 
 @pytest.mark.parametrize("case", ["half_split", "partial", "strided_view"])

@@ -60,3 +60,38 @@ def test_triton_plans_its_tiles_from_min_rows_and_the_cupy_plan_below(cls):
     for cfg1, cfg2 in (cfg for _, cfg in cls.CONFIGS):
         assert cfg1[0] == cfg2[0]
         assert module._unit % cfg1[2] == 0 and module._unit % cfg2[2] == 0, (cfg1, cfg2)
+
+
+class _Resident:
+    """A stand-in for the kernels module: `per_sm` CTAs of every GEMM resident on each of 132 SMs."""
+
+    def __init__(self, per_sm):
+        self.per_sm = per_sm
+
+    def persistent_grid(self, name, items):
+        return min(items, self.per_sm * 132)
+
+
+def _layer(cls, hidden, inter, experts, top_k):
+    return cls(MoeShape(hidden, inter, experts, top_k, "silu_glu"), ExpertParallel(), device="meta")
+
+
+def test_the_split_k_rule_picks_the_measured_winners_and_fills_a_second_wave():
+    """`_split` against the forced split factors timed on the H200 (BENCHMARKS.md; 3 CTAs an SM): MXFP4
+    (eleventh session) one token's G gate/up (720 items: SK = 1 fastest) and down (180: SK = 2), Q gate/up
+    (192: SK = 2) and down (256: SK = 1), eight tokens' Q gate/up (SK = 1); FP8 (fourteenth) deepseek_v3's one
+    token, gate/up 512 items, 1.29 waves at SK = 1 (SK = 2 fastest), and down 896 items, 2.26 waves (SK = 1)."""
+    from runtime.experts.cupy_mma import CupyMmaFp8BlockScalesExperts, CupyMmaW4a16Mxfp4Experts
+
+    kern, tile = _Resident(3), K.SPLIT_TILE
+    g = _layer(CupyMmaW4a16Mxfp4Experts, 2880, 2880, 128, 4)
+    assert g._split(kern, K.EPI_GATED, tile, 4, 2 * 2880, 2880, True) == (1, 1, 1)
+    assert g._split(kern, K.EPI_DOWN, tile, 4, 2880, 2880, True) == (1, 1, 2)
+    q = _layer(CupyMmaW4a16Mxfp4Experts, 2048, 768, 128, 8)
+    assert q._split(kern, K.EPI_GATED, tile, 8, 2 * 768, 2048, True) == (1, 1, 2)
+    assert q._split(kern, K.EPI_DOWN, tile, 8, 2048, 768, True) == (1, 1, 1)
+    assert q._split(kern, K.EPI_GATED, tile, 64, 2 * 768, 2048) == (1, 1, 1)
+    d = _layer(CupyMmaFp8BlockScalesExperts, 7168, 2048, 256, 8)
+    assert d._split(kern, K.EPI_GATED, tile, 8, 2 * 2048, 7168, True) == (1, 1, 2)
+    assert d._split(kern, K.EPI_DOWN, tile, 8, 7168, 2048, True) == (1, 1, 1)
+    assert d._split(kern, K.EPI_GATED, (1, 1, 4), 8, 2 * 2048, 7168, True) == (1, 1, 4)   # a forced factor stays

@@ -55,6 +55,12 @@ def test_kernel_counters_are_refused_inside_a_graph_capture(monkeypatch):
                                   "warm-up does)")
     assert not router._COUNTERS and not module._align_tickets
     assert router._counters(torch.device("cpu")).tolist() == [0] * router.MAX_TOKENS   # a device that never captures
+    assert module._align_ticket(torch.device("cpu")).tolist() == [0]
+    # what tests/gpu/conftest.py checks after every GPU test: both sets, while they live
+    from runtime.graphs import live_kernel_counters
+
+    owners = [owner for owner, _ in live_kernel_counters()]
+    assert "the router kernel" in owners and "CupyMmaBf16Experts's moe_align_count" in owners
 
 
 def test_cupy_classes_construct_on_meta_without_cupy():
