@@ -675,6 +675,9 @@ def run(args):
                             torch.cuda.synchronize()
                             continue
                         path, tile = mods[0].plan(t, k)
+                        with torch.no_grad():   # one eager call: the GEMM kernels (split factor included) it launches
+                            mods[0](x, *router.fused(x))
+                        gemms = dict(getattr(mods[0], "last_gemm_kernels", {}))
                         w_bytes = e_act * 3 * h * i * BYTES_PER_PARAM[fmt]
                         flops = 2 * t * k * 3 * h * i
                         peak = ceil["fp8_flops"] if fmt in FP8_PEAK_FORMATS and ceil["fp8_flops"] else ceil["bf16_flops"]
@@ -685,7 +688,8 @@ def run(args):
                         vl = vllm_us(shape, fmt, t, r)
                         cell = {"shape": shape, "format": fmt, "tokens": t, "routing": r, "ours_us": ours,
                                 "ours_torch_router_us": ours_torch_router, "replay_matches_eager": replay_ok,
-                                "path": path, "tile": tile, "active_experts": e_act, "weight_bytes": w_bytes,
+                                "path": path, "tile": tile, "gemm_kernels": gemms, "active_experts": e_act,
+                                "weight_bytes": w_bytes,
                                 "flops": flops, "t_lb_us": t_lb, "r_roof": t_lb / ours,
                                 "best_peer": best[0], "best_peer_us": best[1],
                                 "r_peer": (best[1] / ours) if best[1] else None,
@@ -707,6 +711,13 @@ def run(args):
     log(markdown(result))
 
 
+def _kernels(cell) -> str:
+    """' [gemm1 kernel, gemm2 kernel]' of a cell that launched moe_gemm kernels (their names carry the warp tile and
+    the split-K factor), else ''."""
+    names = cell.get("gemm_kernels") or {}
+    return f" [{', '.join(names[g] for g in ('gemm1', 'gemm2') if g in names)}]" if names else ""
+
+
 def markdown(result):
     c = result["ceilings"]
     lines = [f"GPU {result['gpu']} ({result['sms']} SMs), torch {result['torch']}, commit {result['commit']}, "
@@ -722,7 +733,7 @@ def markdown(result):
         lines.append(f"| {x['shape']} | {x['format']} | {x['routing']} | {x['tokens']} | {x['ours_us']:.1f} | "
                      f"{'yes' if x['replay_matches_eager'] else 'NO'} | {x['ours_torch_router_us']:.1f} | {vl} | {rvl} | "
                      f"{peer} | {x['t_lb_us']:.1f} | {x['r_roof']:.2f} | {rpeer} | {x['tb_per_s']:.2f} | {x['tflops']:.0f} | "
-                     f"{x.get('impl', '')} {x['path']} {x['tile']} |")
+                     f"{x.get('impl', '')} {x['path']} {x['tile']}{_kernels(x)} |")
     if result["missing"]:
         lines += ["", "Not measured: " + "; ".join(result["missing"])]
     if result["errors"]:

@@ -93,6 +93,9 @@ class _CupyMmaExperts(ExpertsBase):
         super().__init__(spec, parallel, device, dtype)
         self._local_maps: dict = {}
         self._align_tickets: dict = {}
+        # the moe_gemm kernels the last call launched, "gemm1" / "gemm2" -> name (the split factor included), so
+        # that a benchmark reports what ran; empty after a call that launched none (grouped_mm, Triton)
+        self.last_gemm_kernels: dict[str, str] = {}
 
     # --- layout -----------------------------------------------------------------------------------
     @property
@@ -174,6 +177,7 @@ class _CupyMmaExperts(ExpertsBase):
     def _launch_inputs(self, hidden, topk_ids, topk_weights):
         """What every GPU path of a forward starts from: the kernels, the stream, the poison flag and the
         contiguous operands; None when there is nothing to compute (no tokens, or no experts on this rank)."""
+        self.last_gemm_kernels = {}
         if hidden.shape[0] == 0 or not self.expert_ids:
             return None
         device = hidden.device
@@ -331,6 +335,7 @@ class _CupyMmaExperts(ExpertsBase):
               inter, top_k, kind, alpha, limit):
         tile = self._split(kern, epi, tile, tiles.routed, n, k, tiles.by_pair)
         name = K.gemm_name(self.FORMAT, epi, tile, pairs=tiles.by_pair)
+        self.last_gemm_kernels["gemm2" if epi == K.EPI_DOWN else "gemm1"] = name
         grid = kern.persistent_grid(name, tiles.count * _row_blocks(n, tile))
         kern.launch(name, (grid,), (128,),
                     (_p(w), _p(ws), _p(ws2), _p(a), _p(a_scale), _i(a_by_token), *tiles.args, _p(bias), _p(out),

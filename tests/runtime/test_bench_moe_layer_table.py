@@ -33,3 +33,14 @@ def test_the_table_gives_each_cell_its_row_with_both_routers_and_the_replay_chec
     assert header.count("|") == rule.count("|") == first.count("|") == second.count("|")
     assert first.startswith("| Q | w4a16_mxfp4 | uniform | 1 | 28.6 | yes | 41.6 | - | - | 122.5 (torch_pipeline) |")
     assert second.startswith("| Q | bf16 | uniform | 1 | 37.1 | NO | 51.5 | 57 | 1.54 |")
+
+
+def test_a_cell_names_the_gemm_kernels_it_launched_split_factor_included():
+    result = {"gpu": "NVIDIA H200", "sms": 132, "torch": "2.11.0", "commit": "abc1234", "date": "2026-12-03",
+              "ceilings": {"copy_bytes_per_s": 4.25e12, "bf16_flops": 7.7e14, "fp8_flops": 1.46e15},
+              "cells": [_cell(gemm_kernels={"gemm1": "moe_gemm_2_0_0_1_1_2_pairs", "gemm2": "moe_gemm_2_0_2_1_1_1_pairs"}),
+                        _cell(path="grouped_mm", gemm_kernels={})],
+              "missing": [], "errors": []}
+    with_kernels, without = moe_layer.markdown(result).splitlines()[4:6]
+    assert with_kernels.endswith(" pairs (1, 1) [moe_gemm_2_0_0_1_1_2_pairs, moe_gemm_2_0_2_1_1_1_pairs] |")
+    assert without.endswith(" grouped_mm (1, 1) |")

@@ -1,9 +1,11 @@
-"""The CUPY classes' host-side choices on a machine without a GPU: which path and tile a call plans, and
-that every kernel a plan names is one the source instantiates (a name the module lacks fails only on
-the GPU, at the first call)."""
+"""The CUPY classes' host-side choices on a machine without a GPU: which path and tile a call plans, which
+split-K factor each GEMM takes, the kernels a call records as launched, and that every kernel a plan names is
+one the source instantiates (a name the module lacks fails only on the GPU, at the first call)."""
 import re
 
+import numpy as np
 import pytest
+import torch
 
 from registry.impls import load_registry
 from runtime import kernels as K
@@ -95,3 +97,25 @@ def test_the_split_k_rule_picks_the_measured_winners_and_fills_a_second_wave():
     assert d._split(kern, K.EPI_GATED, tile, 8, 2 * 2048, 7168, True) == (1, 1, 2)
     assert d._split(kern, K.EPI_DOWN, tile, 8, 7168, 2048, True) == (1, 1, 1)
     assert d._split(kern, K.EPI_GATED, (1, 1, 4), 8, 2 * 2048, 7168, True) == (1, 1, 4)   # a forced factor stays
+
+
+def test_a_call_records_the_gemm_kernels_it_launched_with_their_split_factor():
+    """`last_gemm_kernels` names what `_gemm` launched (what bench/moe_layer.py reports), the factor `_split` chose
+    included; it starts empty at each call."""
+    from runtime.experts.cupy_mma import CupyMmaW4a16Mxfp4Experts, _Tiles
+
+    class Recorder(_Resident):
+        launched = []
+
+        def launch(self, name, grid, block, args, stream):
+            self.launched.append(name)
+
+    kern, g = Recorder(3), _layer(CupyMmaW4a16Mxfp4Experts, 2880, 2880, 128, 4)
+    assert g.last_gemm_kernels == {}
+    tiles = _Tiles(4, (np.uint64(0), np.uint64(0), np.int32(128), np.int32(4)), 4, by_pair=True)
+    for epi, n, k in ((K.EPI_GATED, 2 * 2880, 2880), (K.EPI_DOWN, 2880, 2880)):
+        g._gemm(kern, 0, epi, K.SPLIT_TILE, tiles, None, None, None, None, None, 1, None, None, n, k, 2880, 4, 0, 1.0, 0.0)
+    assert g.last_gemm_kernels == {"gemm1": "moe_gemm_2_0_0_1_1_1_pairs", "gemm2": "moe_gemm_2_0_2_1_1_2_pairs"}
+    assert kern.launched == list(g.last_gemm_kernels.values())
+    assert g._launch_inputs(torch.zeros(0, 2880), torch.zeros(0, 4, dtype=torch.int64), torch.zeros(0, 4)) is None
+    assert g.last_gemm_kernels == {}   # a call with nothing to launch leaves no earlier call's names
