@@ -55,8 +55,9 @@ _COUNTERS: list = []
 
 def live_kernel_counters() -> list[tuple[str, torch.Tensor]]:
     """(owner, counters) of every kernel_counters set still alive."""
-    _COUNTERS[:] = [(owner, ref) for owner, ref in _COUNTERS if ref() is not None]
-    return [(owner, t) for owner, ref in _COUNTERS if (t := ref()) is not None]
+    live = [(owner, ref, t) for owner, ref in _COUNTERS if (t := ref()) is not None]
+    _COUNTERS[:] = [(owner, ref) for owner, ref, _ in live]
+    return [(owner, t) for owner, _, t in live]
 
 
 def advanced_in_place(caches) -> tuple[torch.Tensor, ...]:

@@ -38,10 +38,11 @@ _MAX_LOCAL_EXPERTS = 1024   # moe_align: one thread per local expert
 # pairs per CTA of the multi-CTA sort (moe_align_count / _scatter); calls with at most this many pairs
 # (decode) sort in one CTA, one launch
 _ALIGN_CTA_PAIRS = 2048
-# A GEMM item's fixed cost in 64-chunks of K walked (the split-K rule's model, `_split`). Any value from 8 to 56
-# picks the faster factor in every cell timed with each factor forced on the H200 (BENCHMARKS.md: the 4-bit
-# decode GEMMs of the eleventh session, deepseek_v3's FP8 GEMMs at one token of the fourteenth: gate/up SK = 2,
-# down SK = 1); the ratios of those times fit 2.6 to 38, so the model ranks factors, it does not predict times.
+# A GEMM item's fixed cost in 64-chunks of K walked (the split-K rule's model, `_split`). Any value above 8, up
+# to 56, picks the faster factor in every cell timed with each factor forced on the H200 (BENCHMARKS.md: the
+# 4-bit decode GEMMs of the eleventh session, deepseek_v3's FP8 GEMMs at one token of the fourteenth: gate/up
+# SK = 2, down SK = 1); the ratios of those times fit 2.6 to 38, so the model ranks factors, it does not
+# predict times.
 _ITEM_OVERHEAD_CHUNKS = 12
 
 

@@ -105,7 +105,9 @@ def test_a_call_records_the_gemm_kernels_it_launched_with_their_split_factor():
     from runtime.experts.cupy_mma import CupyMmaW4a16Mxfp4Experts, _Tiles
 
     class Recorder(_Resident):
-        launched = []
+        def __init__(self, per_sm):
+            super().__init__(per_sm)
+            self.launched = []
 
         def launch(self, name, grid, block, args, stream):
             self.launched.append(name)
