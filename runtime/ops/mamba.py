@@ -3,8 +3,10 @@
 `in_proj` makes, per token, the gate `z` (heads x head_dim), the conv input `xBC` (x, then B and C for
 `n_groups` groups of `state_size`) and one `dt` per head. `xBC` passes a causal depthwise conv of width
 `conv_kernel` and SiLU; then per head `h <- exp(dt A) h + dt x B^T` and `y = h C + D x`, with
-`dt = max(softplus(dt + dt_bias), time_step_min)` and `A = -exp(A_log)`, all in fp32. The output is
-RMS-normed in `n_groups` groups after gating by `silu(z)`, and projected back by `out_proj`.
+`dt = softplus(dt + dt_bias)` and `A = -exp(A_log)`, all in fp32. `dt` has no floor: the config's
+`time_step_min` is where `dt_bias`'s initialisation starts, not a bound (Mamba-2's `dt_limit` is
+`(0, inf)`, as vLLM and transformers >= 5.25 run these checkpoints). The output is RMS-normed in
+`n_groups` groups after gating by `silu(z)`, and projected back by `out_proj`.
 
 The scan runs in plain torch in one of two forms that sum the same terms in another order: token by
 token (decode, short inputs, blocks whose per-token states are kept) or, for inputs longer than a chunk,
@@ -168,8 +170,8 @@ class Mamba2Mixer(nn.Module):
         state_size: int,
         n_groups: int,
         conv_kernel: int,
-        time_step_min: float,
         norm_eps: float,
+        time_step_min: float | None = None,
         conv_bias: bool = True,
         proj_bias: bool = False,
         tp_rank: int = 0,
@@ -184,7 +186,10 @@ class Mamba2Mixer(nn.Module):
                              "ranks; choose a tp that divides them")
         heads, groups = num_heads // tp_size, n_groups // tp_size
         self.num_heads, self.head_dim, self.state_size, self.n_groups = heads, head_dim, state_size, groups
-        self.conv_kernel, self.time_step_min = conv_kernel, float(time_step_min)
+        # `time_step_min` is accepted for the builders that pass it, and bounds nothing: it is an init range
+        # (transformers <= 5.24 clamped its chunked prefill to it, though never its decode step).
+        del time_step_min
+        self.conv_kernel = conv_kernel
         self.inner = heads * head_dim
         self.conv_dim = self.inner + 2 * groups * state_size
         inner, bc = num_heads * head_dim, n_groups * state_size
@@ -221,7 +226,7 @@ class Mamba2Mixer(nn.Module):
         x = x.float().view(batch, seq, self.num_heads, self.head_dim)
         b = b.float().view(batch, seq, self.n_groups, self.state_size)
         c = c.float().view(batch, seq, self.n_groups, self.state_size)
-        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(min=self.time_step_min)   # [B, S, heads]
+        dt = F.softplus(dt.float() + self.dt_bias.float())                                 # [B, S, heads]
         a = -torch.exp(self.A_log.float())
         keep = state is not None and state.keeps(seq)
         if seq > CHUNK and not keep:
