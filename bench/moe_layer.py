@@ -48,6 +48,7 @@ from runtime.experts.cupy_mma import (CupyMmaBf16Experts, CupyMmaFp8BlockScalesE
                                       CupyMmaW4a16Nvfp4Experts)
 from runtime.experts.triton_grouped import (TritonWgmmaBf16Experts, TritonWgmmaFp8BlockScalesExperts,  # noqa: E402
                                             TritonWgmmaW4a16Mxfp4Experts)
+from runtime import kernels as K  # noqa: E402
 from runtime.graphs import capture  # noqa: E402
 from runtime.kernels import router as router_kernel  # noqa: E402
 
@@ -381,8 +382,6 @@ def build(fmt, spec, copies=COPIES, extra_tiles=(), classes=None):
 
 def sweep(args, result):
     """Every compiled warp tile (and bf16's grouped_mm path) on the prefill cells: picks `plan`'s tiles."""
-    from runtime import kernels as K
-
     rows = []
     for shape in ("Q", "D"):
         h, i, e, k = SHAPES[shape]
@@ -493,8 +492,6 @@ def decode_kernels(args, result):
     `--decode-tiles` forced."""
     from torch.profiler import ProfilerActivity, profile as prof
 
-    from runtime import kernels as K
-
     rows, reps = [], 6
     for shape in args.shapes.split(","):
         h, i, e, k = SHAPES[shape]
@@ -509,19 +506,23 @@ def decode_kernels(args, result):
                 active = int(ids.unique().numel())
                 tile = tuple(mods[0].plan(t, k)[1])
                 splits = K.splits(tile)
-                options = [None] + ([(*tile, sk) for sk in (1,) + splits] if splits else [])
-                options += [forced for forced in args.decode_tiles if forced not in options]
+                options = [{}] + ([{"tile": (*tile, sk)} for sk in (1,) + splits] if splits else [])
+                options += [{"tile": forced} for forced in args.decode_tiles if {"tile": forced} not in options]
+                if t > 1:   # the staged GEMMs run the sorted path
+                    options += [{"path": "staged", "tile": (1, nt), "staging": (kc, st)}
+                                for nt, kc, st in K.STAGED.get(fmt, ())]
                 for opt in options:
                     with torch.no_grad():
                         for m in mods:
-                            m(x, ids, weights, tile=opt)
+                            m(x, ids, weights, **opt)
                         torch.cuda.synchronize()
                         with prof(activities=[ProfilerActivity.CUDA]) as p:
                             for r in range(reps * len(mods)):
-                                mods[r % len(mods)](x, ids, weights, tile=opt)
+                                mods[r % len(mods)](x, ids, weights, **opt)
                             torch.cuda.synchronize()
-                    row = {"shape": shape, "format": fmt, "tokens": t, "active_experts": active,
-                           "tile": "plan" if opt is None else list(opt)}
+                    label = "plan" if not opt else list(opt["tile"]) + ([f"s{opt['staging'][0]}x{opt['staging'][1]}"]
+                                                                         if "staging" in opt else [])
+                    row = {"shape": shape, "format": fmt, "tokens": t, "active_experts": active, "tile": label}
                     for ev in p.key_averages():
                         if not ev.key.startswith("moe_gemm_"):
                             continue
@@ -555,6 +556,9 @@ def run(args):
         f"fp8 {(ceil['fp8_flops'] or 0) / 1e12:.0f} TFLOP/s")
     if args.impl == "triton":
         CLASSES.update(TRITON_CLASSES)
+    for fmt in K.STAGED if args.staged_plan is not None else ():   # TRITON's classes of the format too
+        for cls in {CLASSES[fmt], TRITON_CLASSES.get(fmt, CLASSES[fmt])}:
+            cls.STAGED_PLAN = dict(args.staged_plan)
     if args.profile:
         profile(args)
     if args.decode_kernels:
@@ -760,6 +764,12 @@ def main():
     p.add_argument("--decode-tiles", default="", type=lambda v: [tuple(map(int, x.split("x"))) for x in v.split(",") if x],
                    help="warp tiles MTxNT (comma-separated, e.g. 1x1,1x2) --decode-kernels also forces at every cell")
     p.add_argument("--only-extras", action="store_true", help="stop after --sweep / --profile / --decode-kernels")
+    p.add_argument("--staged-plan", default=None,
+                   type=lambda v: {tuple(map(int, a.split("x"))): tuple(None if g == "-" else tuple(map(int, g.split("x")))
+                                                                         for g in (b.split("/") * 2)[:2])
+                                   for a, b in (x.split("=") for x in v.split(",") if x)},
+                   help="the W4A16 classes' STAGED_PLAN for this run: tile=stages[/GEMM2's stages, - for the register "
+                        "kernel], e.g. 1x1=8x2,1x2=8x2/- ('' = none)")
     p.add_argument("--peers-from", default="", help="a previous moe_layer.json whose peer times to reuse")
     p.add_argument("--date", default=time.strftime("%Y-%m-%d"))
     p.add_argument("--commit", default="")

@@ -1,11 +1,11 @@
 """The CUPY and TRITON experts' device buffers: their shapes per weight format, and the checkpoint's tensors
-re-laid into them at load (gate/up rows interleaved per 8, FP4 bits rearranged and rows tiled:
-runtime/kernels/layouts.py)."""
+re-laid into them at load (gate/up rows interleaved per 8, FP4 bits rearranged, FP4 rows and their scales
+tiled: runtime/kernels/layouts.py)."""
 from __future__ import annotations
 
 import torch
 
-from ..kernels.layouts import interleave_gate_up, relayout_fp4, tile_fp4_rows
+from ..kernels.layouts import interleave_gate_up, relayout_fp4, tile_rows
 from .base import MoeShape
 
 
@@ -61,18 +61,18 @@ def convert(fmt: str, spec: MoeShape, expert_ids, staged, device) -> dict:
     else:
         layout = "e4m3" if fmt == "w4a8_mxfp4_fp8" else "bf16"
         relaid = lambda t: relayout_fp4(t, layout)   # noqa: E731
-        new["w13"] = tile_fp4_rows(first("weight", relaid))
-        new["w2"] = tile_fp4_rows(relaid(stacked("down", "weight")))
+        new["w13"] = tile_rows(first("weight", relaid), 32)
+        new["w2"] = tile_rows(relaid(stacked("down", "weight")), 32)
+        # scale bytes of one row per 64-element chunk: NVFP4 one per 16 elements, MXFP4 one per 32
+        per_chunk = 4 if fmt == "w4a16_nvfp4" else 2
+        scale_dtype = torch.float8_e4m3fn if fmt == "w4a16_nvfp4" else torch.uint8
+        as_bytes = lambda t: t.view(torch.uint8)   # noqa: E731
+        new["s13"] = tile_rows(first("weight_scale", as_bytes), per_chunk).view(scale_dtype)
+        new["s2"] = tile_rows(as_bytes(stacked("down", "weight_scale")), per_chunk).view(scale_dtype)
         if fmt == "w4a16_nvfp4":
-            as_bytes = lambda t: t.view(torch.uint8)   # noqa: E731
-            new["s13"] = first("weight_scale", as_bytes).view(torch.float8_e4m3fn)
-            new["s2"] = stacked("down", "weight_scale")
             projs = ("gate", "up") if gated else ("up",)
             new["g13"] = torch.stack([stacked(p, "weight_scale_2").reshape(-1) for p in projs], 1)
             new["g2"] = stacked("down", "weight_scale_2").reshape(-1)
-        else:
-            new["s13"] = first("weight_scale")
-            new["s2"] = stacked("down", "weight_scale")
     if spec.expert_bias:
         new["b13"] = first("bias").float()
         new["b2"] = stacked("down", "bias").float()

@@ -12,7 +12,9 @@ A one-token call (a batch-1 decode step) takes the `pairs` path: its top-k exper
 each routing pair is its own tile (the `_pairs` GEMMs read the expert from the ids, and y's rows are
 the pairs) and step 1 is skipped; steps 2-6 compute the same values with one launch fewer.
 The GEMMs are `moe_gemm` (tensor-core mma.sync, weights streamed from HBM into registers and
-dequantized there, so quantized weights stay packed on the device). bf16 layers with many rows per
+dequantized there, so quantized weights stay packed on the device); the W4A16 decode tiles run its staged
+variant (`path` 'staged': a producer warp copies weights and token rows into shared memory ahead of the
+warps that compute, same results bit for bit). bf16 layers with many rows per
 expert (prefill) run both GEMMs through `torch._grouped_mm` instead (~600 TFLOP/s here), keeping the
 kernels for routing, gather, activation and combine.
 
@@ -50,12 +52,7 @@ def _p(t: torch.Tensor | None) -> np.uint64:
     return np.uint64(0 if t is None else t.data_ptr())
 
 
-def _i(v: int) -> np.int32:
-    return np.int32(v)
-
-
-def _f(v: float) -> np.float32:
-    return np.float32(v)
+_i, _f = np.int32, np.float32   # kernel int and float arguments
 
 
 def _row_blocks(n: int, tile) -> int:
@@ -88,6 +85,10 @@ class _CupyMmaExperts(ExpertsBase):
     debug_poison = False
     # warp tiles compiled besides `plan`'s (for `forward(..., tile=)` measurements)
     extra_tiles: tuple[tuple[int, int], ...] = ()
+    # token tile (1, NT) -> (GEMM1's, GEMM2's) (KC, ST): the sorted path's tiles that `plan` runs on the staged GEMM
+    # (kernels.STAGED; W4A16 formats), with KC chunks of K a stage and ST stages (None: that GEMM runs the register
+    # kernel); the other tiles run the register GEMM
+    STAGED_PLAN: dict = {}
 
     def __init__(self, spec: MoeShape, parallel: ExpertParallel = ExpertParallel(), device=None,
                  dtype: torch.dtype = torch.bfloat16):
@@ -163,7 +164,7 @@ class _CupyMmaExperts(ExpertsBase):
                 break
         if self.FORMAT == "bf16" and self.GROUPED_MM_MIN_ROWS is not None and rows >= self.GROUPED_MM_MIN_ROWS:
             return "grouped_mm", tile
-        return "kernels", tile
+        return ("staged" if tile in self.STAGED_PLAN else "kernels"), tile
 
     def _empty(self, shape, dtype, device, poison):
         t = torch.empty(shape, dtype=dtype, device=device)
@@ -188,9 +189,21 @@ class _CupyMmaExperts(ExpertsBase):
                 hidden.to(torch.bfloat16).contiguous(), topk_ids.to(torch.int64).contiguous(),
                 topk_weights.to(torch.float32).contiguous())
 
+    def _staging(self, tile, staging):
+        """(GEMM1's, GEMM2's) (KC, ST) of the staged GEMMs of `tile` (kernels.staged_pair), or refused by name."""
+        pair = K.staged_pair(self.FORMAT, tile, staging, self.STAGED_PLAN.get(tuple(tile)))
+        if pair is None:
+            compiled = ", ".join(f"tile (1, {nt}) with {kc} x {st}" for nt, kc, st in K.STAGED.get(self.FORMAT, ()))
+            raise ValueError(f"{self.IMPL_ID}: no staged GEMM for tile {tuple(tile)} with stages {staging} "
+                             f"(compiled: {compiled or 'none'})")
+        return pair
+
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                path: str | None = None, tile: tuple[int, int] | None = None) -> torch.Tensor:
-        """The contract's forward; `path` and `tile` override `plan` (tests and measurements)."""
+                path: str | None = None, tile: tuple[int, int] | None = None,
+                staging: tuple[int, int] | None = None) -> torch.Tensor:
+        """The contract's forward; `path`, `tile` and `staging` override `plan` (tests and measurements):
+        path 'staged' runs the sorted path's GEMMs in the staged kernel of `tile` with `staging` (KC, ST), or as
+        STAGED_PLAN says for that tile."""
         self._check_inputs(hidden, topk_ids, topk_weights)
         spec, fmt = self.spec, self.FORMAT
         (tokens, hsize), top_k, device = hidden.shape, topk_ids.shape[1], hidden.device
@@ -204,7 +217,10 @@ class _CupyMmaExperts(ExpertsBase):
         auto_path, auto_tile = self.plan(tokens, top_k)
         if auto_path == "pairs" and tile is not None and tuple(tile[:2]) != K.SPLIT_TILE:
             auto_path = "kernels"   # a forced tile the pair kernels lack runs the sorted path
+        if auto_path == "staged" and tile is not None and staging is None and tuple(tile) not in self.STAGED_PLAN:
+            auto_path = "kernels"   # a forced tile the plan does not stage (a split factor) runs the register GEMM
         path, tile = path or auto_path, tuple(tile or auto_tile)
+        staging = self._staging(tile, staging) if path == "staged" else (None, None)
         if path == "pairs":
             if tile[:2] != K.SPLIT_TILE:
                 raise ValueError(f"{self.IMPL_ID}: the pairs path runs the {K.SPLIT_TILE} warp tile, not {tile}")
@@ -250,7 +266,7 @@ class _CupyMmaExperts(ExpertsBase):
             s13 = self.s13 if fmt != "bf16" else None
             s2 = self.s2 if fmt != "bf16" else None
             self._gemm(kern, stream, epi1, tile, tiles, self.w13, s13, ws2_13, a1, as1, 1, b13, h, n1, hsize, inter,
-                       top_k, kind, alpha, limit)
+                       top_k, kind, alpha, limit, staging[0])
             a2, as2 = h, None
             if aq:
                 a2 = self._empty((pairs, inter), torch.uint8, device, poison)
@@ -260,7 +276,7 @@ class _CupyMmaExperts(ExpertsBase):
                              _i(aq)), stream)
             y = self._empty((pairs, hsize), torch.float32, device, poison)
             self._gemm(kern, stream, K.EPI_DOWN, tile, tiles, self.w2, s2, ws2_2, a2, as2, 0, None, y, hsize, inter,
-                       inter, top_k, kind, alpha, limit)
+                       inter, top_k, kind, alpha, limit, staging[1])
             y_bf16 = 0
 
         return self._combine(kern, stream, y, y_bf16, pair_pos, sorted_expert, weights, tokens, hidden.dtype,
@@ -333,14 +349,18 @@ class _CupyMmaExperts(ExpertsBase):
         return (*tile, min((1,) + K.splits(tile), key=lambda sk: (cost(sk), -sk)))
 
     def _gemm(self, kern, stream, epi, tile, tiles: _Tiles, w, ws, ws2, a, a_scale, a_by_token, bias, out, n, k,
-              inter, top_k, kind, alpha, limit):
-        tile = self._split(kern, epi, tile, tiles.routed, n, k, tiles.by_pair)
-        name = K.gemm_name(self.FORMAT, epi, tile, pairs=tiles.by_pair)
+              inter, top_k, kind, alpha, limit, staging=None):
+        if staging is None:
+            tile = self._split(kern, epi, tile, tiles.routed, n, k, tiles.by_pair)
+            name, threads, smem = K.gemm_name(self.FORMAT, epi, tile, pairs=tiles.by_pair), 128, 0
+        else:
+            name = K.gemm_name(self.FORMAT, epi, tile, staging=staging)
+            threads, smem = K.STAGED_THREADS, K.staged_smem(K.WF[self.FORMAT], tile[1], *staging)
         self.last_gemm_kernels["gemm2" if epi == K.EPI_DOWN else "gemm1"] = name
-        grid = kern.persistent_grid(name, tiles.count * _row_blocks(n, tile))
-        kern.launch(name, (grid,), (128,),
+        grid = kern.persistent_grid(name, tiles.count * _row_blocks(n, tile), threads, smem)
+        kern.launch(name, (grid,), (threads,),
                     (_p(w), _p(ws), _p(ws2), _p(a), _p(a_scale), _i(a_by_token), *tiles.args, _p(bias), _p(out),
-                     _i(n), _i(k), _i(inter), _i(top_k), _i(kind), _f(alpha), _f(limit)), stream)
+                     _i(n), _i(k), _i(inter), _i(top_k), _i(kind), _f(alpha), _f(limit)), stream, smem)
 
 
 class CupyMmaBf16Experts(_CupyMmaExperts):
@@ -361,6 +381,7 @@ class CupyMmaW4a16Mxfp4Experts(_CupyMmaExperts):
                + _CupyMmaExperts.__doc__)
     IMPL_ID = "cupy.mma.grouped_gemm.w4a16_mxfp4"
     FORMAT = "w4a16_mxfp4"
+    STAGED_PLAN = K.W4A16_STAGED_PLAN
 
 
 class CupyMmaW4a8Mxfp4Fp8Experts(_CupyMmaExperts):
@@ -375,3 +396,4 @@ class CupyMmaW4a16Nvfp4Experts(_CupyMmaExperts):
                + _CupyMmaExperts.__doc__)
     IMPL_ID = "cupy.mma.grouped_gemm.w4a16_nvfp4"
     FORMAT = "w4a16_nvfp4"
+    STAGED_PLAN = K.W4A16_STAGED_PLAN

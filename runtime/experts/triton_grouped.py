@@ -47,8 +47,8 @@ class _TritonGroupedExperts:
             return "triton", self.CONFIGS[-1][1]
         return super().plan(tokens, top_k)
 
-    def forward(self, hidden, topk_ids, topk_weights, path=None, tile=None):
-        """The contract's forward; `path` ('triton' or a CUPY path) and `tile` override `plan`."""
+    def forward(self, hidden, topk_ids, topk_weights, path=None, tile=None, staging=None):
+        """The contract's forward; `path` ('triton' or a CUPY path), `tile` and `staging` override `plan`."""
         self._check_inputs(hidden, topk_ids, topk_weights)
         tokens, top_k = hidden.shape[0], topk_ids.shape[1]
         auto_path, auto_tile = self.plan(tokens, top_k)
@@ -56,7 +56,7 @@ class _TritonGroupedExperts:
         if path != "triton":
             if tile is None:
                 tile = super().plan(tokens, top_k)[1]
-            return super().forward(hidden, topk_ids, topk_weights, path=path, tile=tile)
+            return super().forward(hidden, topk_ids, topk_weights, path=path, tile=tile, staging=staging)
         cfg1, cfg2 = tile or (auto_tile if auto_path == "triton" else self.CONFIGS[-1][1])
         if cfg1[0] != cfg2[0]:
             raise ValueError(f"{self.IMPL_ID}: both GEMMs walk the same token tiles: BM {cfg1[0]} != {cfg2[0]}")

@@ -45,6 +45,18 @@ SPLITS = (2, 4)
 SPLIT_TILE = (1, 1)
 # Further tiles the sweep times (compiled only when asked for: `extra_tiles`).
 EXTRA_TILES = ((1, 4), (1, 8), (2, 8), (4, 4))
+# The staged decode GEMM (moe_gemm_staged_impl: a producer warp bulk-copies weights, scales and token rows into
+# a ring of shared-memory stages ahead of four consumer warps) of the W4A16 formats: its configurations
+# (NT, KC, ST), the (1, NT) tile with KC 64-chunks of K a stage and ST stages, and its threads.
+# 8 chunks and 2 stages (4 CTAs an SM) were the fastest of (KC, ST) = (2, 8), (4, 3), (4, 4), (8, 2), (8, 3), (12, 2),
+# (16, 2) at the gpt-oss and Qwen3 decode cells (BENCHMARKS.md, fifteenth session); (4, 4) stays compiled for the
+# tests of a ring of more stages.
+STAGED = {fmt: ((1, 8, 2), (2, 8, 2), (1, 4, 4)) for fmt in ("w4a16_mxfp4", "w4a16_nvfp4")}
+STAGED_THREADS = 160
+# What the W4A16 classes' `plan` stages: the decode tiles, 8 chunks a stage and 2 stages for both GEMMs (the layer under
+# CUDA graphs 15-30 % faster than on the register GEMM at the gpt-oss and Qwen3 cells of 8-256 tokens that plan these
+# tiles, BENCHMARKS.md, fifteenth session).
+W4A16_STAGED_PLAN = {(1, 1): ((8, 2), (8, 2)), (1, 2): ((8, 2), (8, 2))}
 
 
 def tiles(fmt: str) -> tuple[tuple[int, int], ...]:
@@ -56,9 +68,34 @@ def splits(tile) -> tuple[int, ...]:
     return SPLITS if tuple(tile[:2]) == SPLIT_TILE else ()
 
 
-def gemm_name(fmt: str, epi: int, tile, pairs: bool = False) -> str:
+def staged_smem(wf: int, nt: int, kc: int, st: int) -> int:
+    """Dynamic shared memory of a staged GEMM of weight format `wf` (a WF value; moe_kernels.cu `Stage`): ST
+    stages of 4 m-tiles' weights (512 bytes a chunk) and scales, and 8 * NT token rows of KC * 128 bytes
+    padded by 16; then 2 ST barriers of 8 bytes (the kernel stops itself when launched with less)."""
+    scale_bytes = 4 if wf == WF["w4a16_nvfp4"] else 2
+    stage = 4 * kc * 512 + 4 * kc * 16 * scale_bytes + 8 * nt * (kc * 128 + 16)
+    return st * stage + 2 * st * 8
+
+
+def staged_pair(fmt: str, tile, staging, planned):
+    """(GEMM1's, GEMM2's) (KC, ST) of the staged GEMMs of `tile` of `fmt` (None where that GEMM runs the register
+    kernel): `staging` for both, else `planned` (the class's STAGED_PLAN entry), else the first compiled for the
+    tile's NT for both; None when one of them is not compiled."""
+    configs = [(kc, st) for nt, kc, st in STAGED.get(fmt, ()) if (1, nt) == tuple(tile)]
+    pair = (tuple(staging),) * 2 if staging is not None else planned
+    if pair is None:
+        return (configs[0], configs[0]) if configs else None
+    if all(s is None or tuple(s) in configs for s in pair):
+        return tuple(None if s is None else tuple(s) for s in pair)
+    return None
+
+
+def gemm_name(fmt: str, epi: int, tile, pairs: bool = False, staging=None) -> str:
     """Kernel name of a warp tile (MT, NT) or (MT, NT, SK); SK = 1 is the plain kernel. `pairs`: the
-    pair-tile kernel (one-token calls, no sort) of the split-K tile (1, 1[, SK])."""
+    pair-tile kernel (one-token calls, no sort) of the split-K tile (1, 1[, SK]). `staging` (KC, ST): the
+    staged kernel of the (1, NT) tile."""
+    if staging is not None:
+        return f"moe_gemm_{WF[fmt]}_{AQ[fmt]}_{epi}_{tile[0]}_{tile[1]}_s{staging[0]}x{staging[1]}"
     if pairs:
         return f"moe_gemm_{WF[fmt]}_{AQ[fmt]}_{epi}_1_1_{tile[2] if len(tile) > 2 else 1}_pairs"
     split = f"_{tile[2]}" if len(tile) > 2 and tile[2] > 1 else ""
@@ -72,7 +109,9 @@ def gemm_instances(fmt: str, epis=(EPI_GATED, EPI_RELU2, EPI_DOWN), extra_tiles=
     all_tiles += tuple((*t, sk) for t in tiles(fmt) for sk in splits(t))
     pair_splits = (1,) + SPLITS
     return (tuple((WF[fmt], AQ[fmt], epi, *tile) for epi in epis for tile in all_tiles)
-            + tuple((WF[fmt], AQ[fmt], epi, 1, 1, sk, "pairs") for epi in epis for sk in pair_splits))
+            + tuple((WF[fmt], AQ[fmt], epi, 1, 1, sk, "pairs") for epi in epis for sk in pair_splits)
+            + tuple((WF[fmt], AQ[fmt], epi, 1, nt, f"s{kc}x{st}") for epi in epis
+                    for nt, kc, st in STAGED.get(fmt, ())))
 
 
 def all_instances() -> tuple[tuple[int, ...], ...]:
@@ -89,6 +128,10 @@ def _instance_line(inst) -> str:
     if inst[-1] == "pairs":
         wf, aq, epi, _, _, sk, _ = inst
         return f"MOE_GEMM_INSTANCE_PAIRS({wf}, {aq}, {epi}, {sk})\n"
+    if isinstance(inst[-1], str):   # staged: (WF, AQ, EPI, 1, NT, "s<KC>x<ST>")
+        wf, _, epi, _, nt, cfg = inst
+        kc, st = cfg[1:].split("x")
+        return f"MOE_GEMM_INSTANCE_STAGED({wf}, {epi}, {nt}, {kc}, {st})\n"
     return f"MOE_GEMM_INSTANCE{'_SPLIT' if len(inst) > 5 else ''}({', '.join(map(str, inst))})\n"
 
 
@@ -124,13 +167,20 @@ class Kernels:
             f = self._fns[name] = self._module.get_function(name)
         return f
 
-    def persistent_grid(self, name: str, items: int, threads: int = 128) -> int:
+    def ptr(self, name: str) -> int:
+        """The CUfunction handle of kernel `name`."""
+        ptr = self._ptrs.get(name)
+        if ptr is None:
+            ptr = self._ptrs[name] = self.fn(name).kernel.ptr
+        return ptr
+
+    def persistent_grid(self, name: str, items: int, threads: int = 128, shared_mem: int = 0) -> int:
         """CTAs for a grid-stride kernel: all resident at once (no tail), never more than the items."""
-        regs = max(int(self.fn(name).num_regs), 16)
-        regs_per_warp = -(-regs * 32 // 256) * 256
-        warps = 65536 // regs_per_warp
-        per_sm = max(1, min(2048 // threads, warps // (threads // 32)))
-        return max(1, min(items, per_sm * self.sm_count))
+        import cupy
+
+        with cupy.cuda.Device(self.device_index):
+            per_sm = driver.resident_blocks(self.ptr(name), threads, shared_mem)
+        return max(1, min(items, max(1, per_sm) * self.sm_count))
 
     def launch(self, name: str, grid, block, args, stream_ptr: int, shared_mem: int = 0) -> None:
         """Launch on the CUDA stream `stream_ptr` (torch's current one), with programmatic dependent launch
@@ -138,10 +188,7 @@ class Kernels:
         import cupy
 
         with cupy.cuda.Device(self.device_index):
-            ptr = self._ptrs.get(name)
-            if ptr is None:
-                ptr = self._ptrs[name] = self.fn(name).kernel.ptr
-            driver.launch(ptr, grid, block, tuple(args), stream_ptr, shared_mem, name)
+            driver.launch(self.ptr(name), grid, block, tuple(args), stream_ptr, shared_mem, name)
 
 
 def load(instances, device) -> Kernels:
@@ -169,7 +216,11 @@ def load(instances, device) -> Kernels:
             module = cupy.RawModule(code=source_text(instances), options=NVRTC_OPTIONS)
         kernels = Kernels(module, index, props.multi_processor_count)
         for inst in instances:      # compile (or load) now, never during a CUDA-graph capture
-            kernels.fn("moe_gemm_" + "_".join(map(str, inst)))
+            name = "moe_gemm_" + "_".join(map(str, inst))
+            kernels.fn(name)
+            if isinstance(inst[-1], str) and inst[-1].startswith("s"):   # staged: its ring of stages
+                kc, st = map(int, inst[-1][1:].split("x"))
+                driver.allow_dynamic_shared(kernels.ptr(name), staged_smem(inst[0], inst[4], kc, st))
         for helper in ("moe_align", "moe_align_count", "moe_align_scatter", "quant_fp8_rows", "gather_rows", "act_rows",
                        "moe_combine", "moe_route"):
             kernels.fn(helper)

@@ -19,6 +19,7 @@ import threading
 import numpy as np
 
 PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CUlaunchAttributeID, cuda.h
+MAX_DYNAMIC_SHARED_SIZE_BYTES = 8       # CUfunction_attribute, cuda.h
 _CODES = {np.uint64: "Q", np.int32: "i", np.float32: "f"}
 
 
@@ -40,7 +41,8 @@ class _Config(ctypes.Structure):
 _ATTRIBUTE = _Attribute(id=PROGRAMMATIC_STREAM_SERIALIZATION)
 _ATTRIBUTE.value.i32 = 1
 _LAYOUTS: dict = {}
-_LIBCUDA: list = []
+_LIBCUDA: list = []   # libcuda, loaded on first use
+_LAUNCH: list = []    # its cuLaunchKernelEx, typed
 
 
 class _Reused(threading.local):
@@ -90,13 +92,41 @@ def pack(args: tuple) -> tuple[ctypes.Array, ctypes.Array]:
     return held[1], held[2]
 
 
-def _launch_fn():
+def _libcuda():
     if not _LIBCUDA:
-        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+        _LIBCUDA.append(ctypes.CDLL("libcuda.so.1"))
+    return _LIBCUDA[0]
+
+
+def _launch_fn():
+    if not _LAUNCH:
+        fn = _libcuda().cuLaunchKernelEx
         fn.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         fn.restype = ctypes.c_int
-        _LIBCUDA.append(fn)
-    return _LIBCUDA[0]
+        _LAUNCH.append(fn)
+    return _LAUNCH[0]
+
+
+def _check(status: int, what: str) -> None:
+    if status:
+        raise RuntimeError(f"{what} failed: CUDA error {status}")
+
+
+def allow_dynamic_shared(function_ptr: int, nbytes: int) -> None:
+    """Let the CUfunction `function_ptr` launch with `nbytes` of dynamic shared memory (above 48 KB it must be
+    asked for)."""
+    _check(_libcuda().cuFuncSetAttribute(ctypes.c_void_p(function_ptr), MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                         ctypes.c_int(nbytes)), f"cuFuncSetAttribute (dynamic shared memory {nbytes})")
+
+
+def resident_blocks(function_ptr: int, threads: int, shared_mem: int) -> int:
+    """CTAs of `threads` threads and `shared_mem` bytes of dynamic shared memory that one SM holds at once
+    (the driver's occupancy calculator: registers, shared memory, warps)."""
+    blocks = ctypes.c_int()
+    _check(_libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(blocks), ctypes.c_void_p(function_ptr), ctypes.c_int(threads), ctypes.c_size_t(shared_mem)),
+        "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+    return blocks.value
 
 
 def launch(function_ptr: int, grid, block, args: tuple, stream_ptr: int, shared_mem: int, name: str) -> None:
@@ -107,6 +137,4 @@ def launch(function_ptr: int, grid, block, args: tuple, stream_ptr: int, shared_
     config.shared_mem = shared_mem
     config.stream = stream_ptr
     status = _launch_fn()(_REUSED.config_ref, function_ptr, pack(args)[1], None)
-    if status:
-        raise RuntimeError(f"cuLaunchKernelEx of {name} (grid {tuple(grid)}, block {tuple(block)}) failed: "
-                           f"CUDA error {status}")
+    _check(status, f"cuLaunchKernelEx of {name} (grid {tuple(grid)}, block {tuple(block)})")

@@ -8,8 +8,9 @@ from the checkpoint layout, all free at run time and exact:
 * FP4 (E2M1) codes moved to other bit positions inside each 32-bit word of 8 elements
   (`relayout_fp4`): a word is turned into MMA operands with a few shifts and masks instead of a
   per-nibble table lookup (moe_kernels.cu: fp4_to_bf16x8, fp4_to_e4m3x8).
-* FP4 rows stored in tiles of 16 rows x 64 K elements (`tile_fp4_rows`): the 16 rows of one MMA tile
-  read each 64-element chunk as 512 contiguous bytes instead of 16 pieces of 32 bytes, one per row.
+* FP4 rows and their block scales stored in tiles of 16 rows x 64 K elements (`tile_rows`): the 16 rows
+  of one MMA tile read each 64-element chunk as 512 contiguous bytes (and its scales as 32 or 64) instead
+  of 16 pieces, one per row, and a run of chunks of one tile is one contiguous span (a bulk copy).
 """
 from __future__ import annotations
 
@@ -56,15 +57,16 @@ def relayout_fp4(packed: torch.Tensor, layout: str) -> torch.Tensor:
     return new.view(torch.uint8).reshape(packed.shape)
 
 
-def tile_fp4_rows(packed: torch.Tensor) -> torch.Tensor:
-    """Packed FP4 [..., N, K/2] uint8 -> the same bytes in tiles: tile (b, c), 512 contiguous bytes, holds
-    bytes 32c..32c+31 (K elements 64c..64c+63) of rows 16b..16b+15 in row order, tiles c = 0.. of row
-    block b one after another (row block b is still bytes 16b * K/2 .. 16(b+1) * K/2). Same shape."""
+def tile_rows(packed: torch.Tensor, chunk_bytes: int) -> torch.Tensor:
+    """Bytes [..., N, B] of N rows, `chunk_bytes` per 64-element K chunk (32: packed FP4 weights; 2 or 4: their
+    MXFP4 or NVFP4 block scales) -> the same bytes in tiles: tile (b, c), 16 * chunk_bytes contiguous bytes,
+    holds chunk c of rows 16b..16b+15 in row order, tiles c = 0.. of row block b one after another (row block b
+    is still bytes 16b * B .. 16(b+1) * B). Same shape."""
     *lead, n, kb = packed.shape
-    if packed.dtype != torch.uint8 or n % 16 or kb % 32:
-        raise ValueError(f"tile_fp4_rows needs uint8 [..., N, K/2] with N % 16 == 0 and K % 64 == 0, got "
-                         f"{tuple(packed.shape)} {packed.dtype}")
-    tiles = packed.reshape(*lead, n // 16, 16, kb // 32, 32).transpose(-3, -2)
+    if packed.dtype != torch.uint8 or n % 16 or kb % chunk_bytes:
+        raise ValueError(f"tile_rows needs uint8 [..., N, B] with N % 16 == 0 and B a whole number of "
+                         f"{chunk_bytes}-byte K chunks, got {tuple(packed.shape)} {packed.dtype}")
+    tiles = packed.reshape(*lead, n // 16, 16, kb // chunk_bytes, chunk_bytes).transpose(-3, -2)
     return tiles.contiguous().reshape(packed.shape)
 
 

@@ -18,8 +18,11 @@
 //    feeds them to the MMA without shuffles or shared memory.
 //  * gate and up rows are interleaved in blocks of 8 at load time, so one m-tile holds gate rows
 //    (g) and the matching up rows (g + 8) and the activation is computed in registers.
-//  * FP4 weights are stored in tiles of 16 rows x 64 K elements at load time, so an m-tile's chunk is
-//    one contiguous 512-byte read (WTraits::STEP).
+//  * FP4 weights and their block scales are stored in tiles of 16 rows x 64 K elements at load time, so an
+//    m-tile's chunk is one contiguous 512-byte read (WTraits::STEP) and a run of its chunks one span.
+//  * the staged variant (W4A16 decode tiles, moe_gemm_staged_impl) moves the weight stream off the warps
+//    that compute: a producer warp bulk-copies those spans and the token rows into shared memory ahead of
+//    four consumer warps, which run the same chunk math (mma_chunk_bf16) and epilogue (store_tile).
 //  * a persistent grid walks (token tile, n-block) items; the item count comes from the device, so
 //    nothing is read back to the host and the whole op is CUDA-graph capturable.
 //  * pair tiles (the `_pairs` entry points) skip the sort for one-token calls, whose top-k experts
@@ -903,6 +906,132 @@ template <int WF, int MT, int NT> struct Unroll {
   static constexpr int V = (MT * NT >= 8) ? 1 : (MT * NT >= 2 ? 2 : (W >= 64 ? 2 : 4));
 };
 
+// Block-scale bytes of one weight row per 64-chunk (FP4 formats: NVFP4 one E4M3 per 16 elements, MXFP4 one
+// E8M0 per 32), stored in tiles of 16 rows per chunk like the weights (layouts.tile_rows).
+template <int WF> struct ScaleBytes { static constexpr int V = WF == WF_NVFP4 ? 4 : 2; };
+
+// The scale word lane t needs for row `row` (0..15) of an m-tile from the chunk's scale tile `st`: W4A16 the
+// block of its 16 K elements (NVFP4: one of four, MXFP4: one of two), W4A8 both MX blocks of the chunk.
+template <int WF, int AQ> __device__ __forceinline__ u32 load_scale(const u8* st, int row, int t) {
+  if constexpr (WF == WF_NVFP4) return st[row * 4 + t];
+  else if constexpr (AQ == AQ_NONE) return st[row * 2 + (t >> 1)];
+  else return *reinterpret_cast<const u16*>(st + row * 2);
+}
+
+// One 64-chunk of one m-tile on bf16 tensor cores: four k16 steps, step s on the lane's elements 4s..4s+3
+// (pairs 2s, 2s+1). w[h]: rows g (h = 0) and g + 8 (h = 1) of the tile, bf16, or FP4 dequantized here with
+// their block scales sc[h]; a[f]: the lane's activations of n-fragment f.
+template <int WF, int NT>
+__device__ __forceinline__ void mma_chunk_bf16(float (&acc)[NT][4], const u32 (&w)[2][WTraits<WF>::WORDS],
+                                               const u32 (&sc)[2], const u32 (&a)[NT][8]) {
+  u32 pg[8], ph[8];
+  if constexpr (WF == WF_BF16) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) { pg[i] = w[0][i]; ph[i] = w[1][i]; }
+  } else {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      u32 mul, mul2 = 0;
+      if constexpr (WF == WF_MXFP4) {
+        // bf16x2 2^(e-1) = 2^(e-127) * 2^126 (exponent field e + 126); scales above 2^1
+        // (bytes > 128) need a second factor, 2^(e-128), as bf16 stops at 2^127
+        const u32 e = sc[h];
+        mul = (((e > 128u ? 128u : e) + 126u) << 7) * 0x10001u;
+        if (e > 128u) mul2 = ((e - 1u) << 7) * 0x10001u;
+      } else {
+        // NVFP4 block scale * 2^110 (exact in bf16); 2^16 is folded into the epilogue
+        const u16 b = f32_to_bf16(e4m3_to_f32(sc[h]) * 1.2980742146337069e33f);
+        mul = (u32)b * 0x10001u;
+      }
+      u32* dst = h ? ph : pg;
+#pragma unroll
+      for (int wd = 0; wd < 2; ++wd) {
+        u32 p4[4];
+        fp4_to_bf16x8(w[h][wd], p4);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) dst[4 * wd + j] = bf16x2_mul(p4[j], mul);
+        if (mul2) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) dst[4 * wd + j] = bf16x2_mul(dst[4 * wd + j], mul2);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < 4; ++s)
+#pragma unroll
+    for (int f = 0; f < NT; ++f)
+      mma_bf16(acc[f], pg[2 * s], ph[2 * s], pg[2 * s + 1], ph[2 * s + 1], a[f][2 * s], a[f][2 * s + 1]);
+}
+
+// The epilogue of a tile: rows mt0.. (MT m-tiles, those below n_tiles16) x the tile's cnt token rows from r0 of
+// acc, times the per-token FP8 scale (w4a8) or NVFP4's per-expert scale; GEMM1 adds the bias and applies the
+// activation into bf16 h [rows, I], GEMM2 writes fp32 y [rows, N].
+template <int WF, int AQ, int EPI, int MT, int NT>
+__device__ __forceinline__ void store_tile(const float (&acc)[MT][NT][4], const float* AS, const int (&trow)[NT][2],
+                                           int r0, int cnt, int le, int mt0, int n_tiles16,
+                                           const float* __restrict__ WS2, const float* __restrict__ bias,
+                                           void* __restrict__ out, int N, int I, int kind, float alpha, float limit) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int f = 0; f < NT; ++f) {
+    float tok_scale[2] = {1.f, 1.f};
+    int srow[2];
+    bool ok[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int slot = f * 8 + 2 * t + i;
+      ok[i] = slot < cnt;
+      srow[i] = r0 + min(slot, cnt - 1);
+      if constexpr (AQ == AQ_TOKEN) tok_scale[i] = AS[trow[f][i]];
+    }
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      const int mt = mt0 + m;
+      if (mt >= n_tiles16) continue;
+      float v[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] = acc[m][f][i] * tok_scale[i & 1];
+      if constexpr (WF == WF_NVFP4) {
+        // per-expert weight_scale_2 (gate, up or down), times the 2^16 folded out of the weights
+        const float s0 = WS2[(EPI == EPI_GATED) ? 2 * le : le] * 65536.f;
+        const float s1 = WS2[(EPI == EPI_GATED) ? 2 * le + 1 : le] * 65536.f;
+        v[0] *= s0; v[1] *= s0; v[2] *= s1; v[3] *= s1;
+      }
+      if constexpr (EPI == EPI_GATED) {
+        const int row_g = mt * 16 + g, ch = mt * 8 + g;   // gate row, up row = row_g + 8
+        float bg = 0.f, bu = 0.f;
+        if (bias) { bg = bias[(size_t)le * N + row_g]; bu = bias[(size_t)le * N + row_g + 8]; }
+        u16* H = reinterpret_cast<u16*>(out);
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          if (ok[i]) H[(size_t)srow[i] * I + ch] = f32_to_bf16(act_gated(kind, v[i] + bg, v[2 + i] + bu, alpha, limit));
+      } else if constexpr (EPI == EPI_RELU2) {
+        const int row = mt * 16 + g;
+        float b0 = 0.f, b1 = 0.f;
+        if (bias) { b0 = bias[(size_t)le * N + row]; b1 = bias[(size_t)le * N + row + 8]; }
+        u16* H = reinterpret_cast<u16*>(out);
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          if (ok[i]) {
+            float x0 = fmaxf(v[i] + b0, 0.f), x1 = fmaxf(v[2 + i] + b1, 0.f);
+            H[(size_t)srow[i] * I + row] = f32_to_bf16(x0 * x0);
+            H[(size_t)srow[i] * I + row + 8] = f32_to_bf16(x1 * x1);
+          }
+      } else {
+        const int row = mt * 16 + g;
+        float* Y = reinterpret_cast<float*>(out);
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          if (ok[i]) {
+            Y[(size_t)srow[i] * N + row] = v[i];
+            Y[(size_t)srow[i] * N + row + 8] = v[2 + i];
+          }
+      }
+    }
+  }
+}
+
 // SK > 1 splits K inside the CTA: SK warps share each m-tile group, each walks a contiguous 1/SK of
 // the chunks, and the partial sums meet in shared memory (fixed order: deterministic) before warp
 // ks = 0 of the group runs the epilogue. The grid then holds SK times more warps for the same
@@ -924,6 +1053,7 @@ __device__ __forceinline__ void moe_gemm_impl(
   constexpr int AW = ATraits<AQ>::WORDS;
   constexpr int U = Unroll<WF, MT, NT>::V;
   constexpr bool FP8MMA = (AQ != AQ_NONE);
+  constexpr int SB = ScaleBytes<WF>::V;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   static_assert(SK == 1 || SK == 2 || SK == 4, "split K: 2 or 4 warps per m-tile group");
@@ -992,6 +1122,10 @@ __device__ __forceinline__ void moe_gemm_impl(
       wp[m][0] = W + (r - g) * wrow + g * rstep + t * WTraits<WF>::LANE;
       wp[m][1] = wp[m][0] + 8 * rstep;
     }
+    // the FP4 scale tiles of each m-tile (16 rows x SB bytes a chunk: layouts.tile_rows), at chunk 0
+    const u8* sp[MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) sp[m] = WS + ((size_t)le * n_tiles16 + min(mt0 + m, n_tiles16 - 1)) * nch * (16 * SB);
 
     float acc[MT][NT][4];
 #pragma unroll
@@ -1020,19 +1154,11 @@ __device__ __forceinline__ void moe_gemm_impl(
             load_w<WF, MT>(wp, c, w[u]);
             if constexpr (WF == WF_MXFP4 || WF == WF_NVFP4) {
 #pragma unroll
-              for (int m = 0; m < MT; ++m)
+              for (int m = 0; m < MT; ++m) {
+                const u8* st = sp[m] + (size_t)c * (16 * SB);
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                  const int mt = min(mt0 + m, n_tiles16 - 1);
-                  const size_t r = (size_t)le * N + mt * 16 + g + 8 * h;
-                  if constexpr (WF == WF_NVFP4) {
-                    sc[u][m][h] = WS[r * (K / 16) + 4 * c + t];
-                  } else if constexpr (AQ == AQ_NONE) {
-                    sc[u][m][h] = WS[r * (K / 32) + 2 * c + (t >> 1)];
-                  } else {
-                    sc[u][m][h] = *reinterpret_cast<const u16*>(WS + r * (K / 32) + 2 * c);
-                  }
-                }
+                for (int h = 0; h < 2; ++h) sc[u][m][h] = load_scale<WF, AQ>(st, g + 8 * h, t);
+              }
             }
           }
         }
@@ -1054,46 +1180,7 @@ __device__ __forceinline__ void moe_gemm_impl(
 #pragma unroll
           for (int m = 0; m < MT; ++m) {
             if constexpr (!FP8MMA) {
-              // bf16 MMA: four k16 steps; step s uses the lane's elements 4s..4s+3 (pairs 2s, 2s+1)
-              u32 pg[8], ph[8];
-              if constexpr (WF == WF_BF16) {
-#pragma unroll
-                for (int i = 0; i < 8; ++i) { pg[i] = w[u][m][0][i]; ph[i] = w[u][m][1][i]; }
-              } else {
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                  u32 mul, mul2 = 0;
-                  if constexpr (WF == WF_MXFP4) {
-                    // bf16x2 2^(e-1) = 2^(e-127) * 2^126 (exponent field e + 126); scales above 2^1
-                    // (bytes > 128) need a second factor, 2^(e-128), as bf16 stops at 2^127
-                    const u32 e = sc[u][m][h];
-                    mul = (((e > 128u ? 128u : e) + 126u) << 7) * 0x10001u;
-                    if (e > 128u) mul2 = ((e - 1u) << 7) * 0x10001u;
-                  } else {
-                    // NVFP4 block scale * 2^110 (exact in bf16); 2^16 is folded into the epilogue
-                    const u16 b = f32_to_bf16(e4m3_to_f32(sc[u][m][h]) * 1.2980742146337069e33f);
-                    mul = (u32)b * 0x10001u;
-                  }
-                  u32* dst = h ? ph : pg;
-#pragma unroll
-                  for (int wd = 0; wd < 2; ++wd) {
-                    u32 p4[4];
-                    fp4_to_bf16x8(w[u][m][h][wd], p4);
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) dst[4 * wd + j] = bf16x2_mul(p4[j], mul);
-                    if (mul2) {
-#pragma unroll
-                      for (int j = 0; j < 4; ++j) dst[4 * wd + j] = bf16x2_mul(dst[4 * wd + j], mul2);
-                    }
-                  }
-                }
-              }
-#pragma unroll
-              for (int s = 0; s < 4; ++s)
-#pragma unroll
-                for (int f = 0; f < NT; ++f)
-                  mma_bf16(acc[m][f], pg[2 * s], ph[2 * s], pg[2 * s + 1], ph[2 * s + 1], a[u][f][2 * s],
-                           a[u][f][2 * s + 1]);
+              mma_chunk_bf16<WF, NT>(acc[m], w[u][m], sc[u][m], a[u]);
             } else if constexpr (WF == WF_FP8B) {
               // e4m3 MMA: two k32 steps; step s uses the lane's bytes 8s..8s+7
 #pragma unroll
@@ -1194,66 +1281,183 @@ __device__ __forceinline__ void moe_gemm_impl(
       __syncthreads();   // the next item's partial sums overwrite red
       if (ks) continue;
     }
-    // ---- epilogue ----
-#pragma unroll
-    for (int f = 0; f < NT; ++f) {
-      float tok_scale[2] = {1.f, 1.f};
-      int srow[2];
-      bool ok[2];
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int slot = f * 8 + 2 * t + i;
-        ok[i] = slot < cnt;
-        srow[i] = r0 + min(slot, cnt - 1);
-        if constexpr (AQ == AQ_TOKEN) tok_scale[i] = AS[trow[f][i]];
-      }
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        const int mt = mt0 + m;
-        if (mt >= n_tiles16) continue;
-        float v[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) v[i] = acc[m][f][i] * tok_scale[i & 1];
-        if constexpr (WF == WF_NVFP4) {
-          // per-expert weight_scale_2 (gate, up or down), times the 2^16 folded out of the weights
-          const float s0 = WS2[(EPI == EPI_GATED) ? 2 * le : le] * 65536.f;
-          const float s1 = WS2[(EPI == EPI_GATED) ? 2 * le + 1 : le] * 65536.f;
-          v[0] *= s0; v[1] *= s0; v[2] *= s1; v[3] *= s1;
-        }
-        if constexpr (EPI == EPI_GATED) {
-          const int row_g = mt * 16 + g, ch = mt * 8 + g;   // gate row, up row = row_g + 8
-          float bg = 0.f, bu = 0.f;
-          if (bias) { bg = bias[(size_t)le * N + row_g]; bu = bias[(size_t)le * N + row_g + 8]; }
-          u16* H = reinterpret_cast<u16*>(out);
-#pragma unroll
-          for (int i = 0; i < 2; ++i)
-            if (ok[i]) H[(size_t)srow[i] * I + ch] = f32_to_bf16(act_gated(kind, v[i] + bg, v[2 + i] + bu, alpha, limit));
-        } else if constexpr (EPI == EPI_RELU2) {
-          const int row = mt * 16 + g;
-          float b0 = 0.f, b1 = 0.f;
-          if (bias) { b0 = bias[(size_t)le * N + row]; b1 = bias[(size_t)le * N + row + 8]; }
-          u16* H = reinterpret_cast<u16*>(out);
-#pragma unroll
-          for (int i = 0; i < 2; ++i)
-            if (ok[i]) {
-              float x0 = fmaxf(v[i] + b0, 0.f), x1 = fmaxf(v[2 + i] + b1, 0.f);
-              H[(size_t)srow[i] * I + row] = f32_to_bf16(x0 * x0);
-              H[(size_t)srow[i] * I + row + 8] = f32_to_bf16(x1 * x1);
-            }
-        } else {
-          const int row = mt * 16 + g;
-          float* Y = reinterpret_cast<float*>(out);
-#pragma unroll
-          for (int i = 0; i < 2; ++i)
-            if (ok[i]) {
-              Y[(size_t)srow[i] * N + row] = v[i];
-              Y[(size_t)srow[i] * N + row + 8] = v[2 + i];
-            }
-        }
-      }
-    }
+    store_tile<WF, AQ, EPI, MT, NT>(acc, AS, trow, r0, cnt, le, mt0, n_tiles16, WS2, bias, out, N, I, kind, alpha, limit);
   }
   if (!waited) grid_dependency_wait();   // no item here: still never complete ahead of the previous kernel
+}
+
+// ------------------------------------------------------------------------------------------------
+// the staged decode GEMM: bulk copies into shared memory, one producer warp ahead of four consumer warps
+// ------------------------------------------------------------------------------------------------
+// Shared-memory barriers and bulk asynchronous copies (sm_90). A stage's `full` barrier completes when the
+// producer has arrived and every byte it announced (expect_tx) has landed; its `empty` barrier when each
+// consumer warp has arrived, done reading it.
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect(u64* bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+  u32 done;
+  do {
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
+  } while (!done);
+}
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory, counted on `bar`.
+__device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, u64* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+__device__ __forceinline__ uint2 lds64(const u8* p) { return *reinterpret_cast<const uint2*>(p); }
+__device__ __forceinline__ uint4 lds128(const u8* p) { return *reinterpret_cast<const uint4*>(p); }
+
+// Bytes of one stage of KC chunks: 4 m-tiles of 4-bit weights (512 a chunk), their scale tiles, and BT token
+// rows of bf16 activations, each row padded by 16 bytes so that the 8 rows g of a quad's 16-byte loads fall
+// in distinct banks.
+template <int WF, int NT, int KC> struct Stage {
+  static constexpr int W = 4 * KC * 512;
+  static constexpr int S = 4 * KC * 16 * ScaleBytes<WF>::V;
+  static constexpr int AROW = KC * 128 + 16;
+  static constexpr int BYTES = W + S + 8 * NT * AROW;
+};
+
+// The staged GEMM of W4A16 formats (MXFP4, NVFP4) on the sorted path: warps 0-3 consume, warp 4 produces.
+// An item is the (1, NT) tile's: 4 m-tiles of one expert x one token tile of 8 * NT rows. For every item of
+// the CTA (the same grid-stride walk in all five warps), the producer fills a ring of ST stages, each KC
+// chunks of K: lanes 0-3 copy the weight tiles of m-tile `lane` (contiguous over chunks, layouts.tile_rows),
+// lanes 4-7 their scale tiles, lanes 8.. one token row each. It runs up to ST stages ahead, across items, and
+// waits only for a stage's consumers to release it. Consumer warp w computes m-tile w from shared memory with
+// the register kernel's chunk math (mma_chunk_bf16, the same K order: bit-identical results) and epilogue.
+// No weight load waits behind a decode: the copies are in flight while the consumers compute.
+template <int WF, int EPI, int NT, int KC, int ST>
+__device__ __forceinline__ void moe_gemm_staged_impl(
+    const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2, const u8* A,
+    int a_by_token, const int* sorted_pair, const int* offs, const int* tile_expert, const int* tile_row,
+    const int* num_tiles, const float* __restrict__ bias, void* __restrict__ out, int N, int K, int I, int topk,
+    int kind, float alpha, float limit) {
+  using S = Stage<WF, NT, KC>;
+  constexpr int BT = 8 * NT, SB = ScaleBytes<WF>::V;
+  extern __shared__ __align__(128) u8 ring[];
+  u64* full = reinterpret_cast<u64*>(ring + ST * S::BYTES);
+  u64* empty = full + ST;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  u32 launched;   // a launch with less dynamic shared memory than the ring needs stops here, not past its end
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(launched));
+  if (launched < ST * S::BYTES + 16 * ST) __trap();
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < ST; ++i) {
+      mbar_init(full + i, 1);
+      mbar_init(empty + i, 4);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  // the tiles (moe_align) and the activations (GEMM2: GEMM1's h) are earlier kernels' output
+  wait_then_release();
+  const int n_tiles16 = N / 16, nblocks = (n_tiles16 + 3) / 4, nch = K / 64;
+  const int items = num_tiles[0] * nblocks;
+  const int stages = (nch + KC - 1) / KC;   // per item; the last may hold fewer chunks
+  int slot = 0;
+  u32 phase = 0;
+  auto next_slot = [&]() {
+    if (++slot == ST) {
+      slot = 0;
+      phase ^= 1u;
+    }
+  };
+  if (warp == 4) {
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+      const int tile = item / nblocks, nb = item - tile * nblocks;
+      const int le = tile_expert[tile], r0 = tile_row[tile];
+      const int cnt = min(BT, offs[le + 1] - r0);
+      // this lane's copy per stage: `unit` bytes a chunk from `src` to `dst` within the stage (none: unit 0)
+      const u8* src = nullptr;
+      int unit = 0, dst = 0;
+      if (lane < 8) {
+        const size_t mtile = (size_t)le * n_tiles16 + min(nb * 4 + (lane & 3), n_tiles16 - 1);
+        if (lane < 4) {
+          src = W + mtile * nch * 512;
+          unit = 512;
+          dst = lane * KC * 512;
+        } else {
+          src = WS + mtile * nch * (16 * SB);
+          unit = 16 * SB;
+          dst = S::W + (lane - 4) * KC * 16 * SB;
+        }
+      } else if (lane - 8 < cnt) {
+        const int s = r0 + lane - 8;
+        src = A + (size_t)(a_by_token ? sorted_pair[s] / topk : s) * K * 2;
+        unit = 128;
+        dst = S::W + S::S + (lane - 8) * S::AROW;
+      }
+      const u32 chunk_bytes = 4 * 512 + 4 * 16 * SB + cnt * 128;
+      for (int st = 0; st < stages; ++st) {
+        const int c0 = st * KC, kc = min(KC, nch - c0);
+        if (lane == 0) {
+          mbar_wait(empty + slot, phase ^ 1u);   // released by its consumers (a fresh barrier passes at once)
+          mbar_arrive_expect(full + slot, chunk_bytes * kc);
+        }
+        __syncwarp();
+        if (unit) bulk_copy(ring + slot * S::BYTES + dst, src + (size_t)c0 * unit, unit * kc, full + slot);
+        next_slot();
+      }
+    }
+    return;
+  }
+  const int g = lane >> 2, t = lane & 3;
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int tile = item / nblocks, nb = item - tile * nblocks;
+    const int le = tile_expert[tile], r0 = tile_row[tile];
+    const int cnt = min(BT, offs[le + 1] - r0);
+    int arow[NT];   // the lane's activation row (slot f * 8 + g, clamped into the tile) in the stage
+#pragma unroll
+    for (int f = 0; f < NT; ++f) arow[f] = min(f * 8 + g, cnt - 1) * S::AROW + t * 32;
+    float acc[1][NT][4];
+#pragma unroll
+    for (int f = 0; f < NT; ++f)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[0][f][i] = 0.f;
+    for (int st = 0; st < stages; ++st) {
+      const int kc = min(KC, nch - st * KC);
+      mbar_wait(full + slot, phase);
+      const u8* base = ring + slot * S::BYTES;
+#pragma unroll
+      for (int c = 0; c < KC; ++c) {
+        if (c < kc) {
+          const u8* wt = base + (warp * KC + c) * 512 + g * 32 + t * 8;
+          const u8* sct = base + S::W + (warp * KC + c) * 16 * SB;
+          const uint2 w0 = lds64(wt), w1 = lds64(wt + 256);
+          const u32 w[2][2] = {{w0.x, w0.y}, {w1.x, w1.y}};
+          const u32 sc[2] = {load_scale<WF, AQ_NONE>(sct, g, t), load_scale<WF, AQ_NONE>(sct, g + 8, t)};
+          u32 a[NT][8];
+#pragma unroll
+          for (int f = 0; f < NT; ++f) {
+            const u8* ap = base + S::W + S::S + arow[f] + c * 128;
+            const uint4 x = lds128(ap), y = lds128(ap + 16);
+            a[f][0] = x.x; a[f][1] = x.y; a[f][2] = x.z; a[f][3] = x.w;
+            a[f][4] = y.x; a[f][5] = y.y; a[f][6] = y.z; a[f][7] = y.w;
+          }
+          mma_chunk_bf16<WF, NT>(acc[0], w, sc, a);
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty + slot);
+      next_slot();
+    }
+    const int trow[NT][2] = {};   // per-token activation scales: none for bf16 activations
+    store_tile<WF, AQ_NONE, EPI, 1, NT>(acc, nullptr, trow, r0, cnt, le, nb * 4 + warp, n_tiles16, WS2, bias, out,
+                                        N, I, kind, alpha, limit);
+  }
 }
 
 #define MOE_GEMM_KERNEL(NAME, WF, AQ, EPI, MT, NT, SK)                                                      \
@@ -1283,4 +1487,16 @@ __device__ __forceinline__ void moe_gemm_impl(
     moe_gemm_impl<WF, AQ, EPI, 1, 1, SK, true>(W, WS, WS2, A, AS, a_by_token, nullptr, nullptr, nullptr,    \
                                              nullptr, nullptr, ids, local_map, num_experts, pairs, bias,    \
                                              out, N, K, I, topk, kind, alpha, limit);                       \
+  }
+// staged decode GEMMs (W4A16, sorted path): the (1, NT) tile, KC chunks a stage, ST stages; 160 threads
+#define MOE_GEMM_INSTANCE_STAGED(WF, EPI, NT, KC, ST)                                                       \
+  extern "C" __global__ void __launch_bounds__(160) moe_gemm_##WF##_0_##EPI##_1_##NT##_s##KC##x##ST(       \
+      const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2,                   \
+      const u8* A, const float* AS, int a_by_token,                                                         \
+      const int* sorted_pair, const int* offs, const int* tile_expert,                                      \
+      const int* tile_row, const int* num_tiles, const float* __restrict__ bias,                            \
+      void* __restrict__ out, int N, int K, int I, int topk, int kind, float alpha, float limit) {          \
+    moe_gemm_staged_impl<WF, EPI, NT, KC, ST>(W, WS, WS2, A, a_by_token, sorted_pair, offs, tile_expert,     \
+                                              tile_row, num_tiles, bias, out, N, K, I, topk, kind, alpha,   \
+                                              limit);                                                       \
   }

@@ -13,7 +13,7 @@ bf16 rounding of the intermediate and, for FP8, its 1x128 quantization (the outp
 the CUPY `moe_combine`. FP8: one 128x128 weight block scale and one 1x128 activation scale per
 K-block, promoted into the fp32 accumulator after each block's product (as DeepSeek's recipe does).
 MXFP4 (W4): the packed words (runtime/kernels/layouts.BF16_WORD bit layout, 8 elements a word, rows tiled by
-16 x 64: layouts.tile_fp4_rows) come through TMA, 64 K elements a step, and are decoded with their E8M0 scales
+16 x 64: layouts.tile_rows) come through TMA, 64 K elements a step, and are decoded with their E8M0 scales
 into an exact bf16 block in registers, the dot's first operand (wgmma reads it from registers; the accumulator
 is transposed once after the K loop); activations stay bf16.
 """
@@ -72,7 +72,9 @@ def _mxfp4_block(w_desc, ws_ptr, w_row0, wrows, k0, K, BK: tl.constexpr):
     x = w_desc.load([w_row0 // 16, k0 // 4, 0])
     x = tl.reshape(x, [x.shape[0] * 16, BK // 8]).to(tl.uint32, bitcast=True)
     word = k0 // 8 + tl.arange(0, BK // 8)
-    s = tl.load(ws_ptr + wrows.to(tl.int64)[:, None] * (K // 32) + (word // 4)[None, :]).to(tl.uint32)
+    # the scales' 16 x 64 tiles (layouts.tile_rows: 32 bytes, 2 a row): MX block (word % 8) // 4 of chunk k0 / 64
+    tile = (wrows // 16).to(tl.int64) * (K // 64) + k0 // 64
+    s = tl.load(ws_ptr + (tile * 32 + (wrows % 16) * 2)[:, None] + (word % 8 // 4)[None, :]).to(tl.uint32)
     # 2^(s - 127); byte 0 is 2^-127, an fp32 subnormal
     f = tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
     e0, e1 = _fp4_pair(x & (_MAG | _SIGN), f)
@@ -214,7 +216,7 @@ def _desc(t2d, block):
 
 def _weight_desc(w, fmt, rows, bk):
     """TMA descriptor of a weight tensor [n, N, K] by blocks of `rows` x `bk` weights. MXFP4: [n, N, K / 2]
-    bytes in 16 x 64 tiles (layouts.tile_fp4_rows), read as 32-bit words [n N / 16, K / 64 * 16, 8] (row
+    bytes in 16 x 64 tiles (layouts.tile_rows), read as 32-bit words [n N / 16, K / 64 * 16, 8] (row
     block, chunk * 16 + row, word) by blocks of one chunk (`bk` 64) of `rows` / 16 row blocks."""
     if fmt == "w4a16_mxfp4":
         if bk != 64 or rows % 16:

@@ -2,6 +2,8 @@
 split-K factor each GEMM takes, the kernels a call records as launched, and that every kernel a plan names is
 one the source instantiates (a name the module lacks fails only on the GPU, at the first call)."""
 import re
+import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -25,7 +27,19 @@ def test_one_token_plans_the_pairs_path_and_more_tokens_the_sorted_one(cls):
     module = _module(cls)
     assert module.plan(1, 8) == ("pairs", K.SPLIT_TILE)
     for tokens in (2, 8, 64):
-        assert module.plan(tokens, 8)[0] in ("kernels", "grouped_mm", "triton"), tokens
+        assert module.plan(tokens, 8)[0] in ("kernels", "grouped_mm", "triton", "staged"), tokens
+
+
+@pytest.mark.parametrize("cls", CUPY, ids=lambda c: c.IMPL_ID)
+def test_w4a16_decode_tiles_plan_the_staged_gemms_and_other_formats_the_register_ones(cls):
+    module = _module(cls)
+    for tokens in (2, 8, 64, 128):   # Qwen3-30B-A3B's experts: tiles (1, 1) and, at 128 tokens, (1, 2)
+        path, tile = module.plan(tokens, 8)
+        if cls.FORMAT in ("w4a16_mxfp4", "w4a16_nvfp4"):
+            assert (path, module._staging(tile, None)) == ("staged", ((8, 2), (8, 2))), tokens
+        else:
+            assert path in ("kernels", "grouped_mm", "triton"), tokens
+    assert module.plan(2048, 8)[0] != "staged"   # prefill tiles stay on the register (or Triton) GEMM
 
 
 @pytest.mark.parametrize("fmt", sorted(K.WF))
@@ -70,7 +84,7 @@ class _Resident:
     def __init__(self, per_sm):
         self.per_sm = per_sm
 
-    def persistent_grid(self, name, items):
+    def persistent_grid(self, name, items, threads=128, shared_mem=0):
         return min(items, self.per_sm * 132)
 
 
@@ -107,10 +121,11 @@ def test_a_call_records_the_gemm_kernels_it_launched_with_their_split_factor():
     class Recorder(_Resident):
         def __init__(self, per_sm):
             super().__init__(per_sm)
-            self.launched = []
+            self.launched, self.blocks = [], []
 
-        def launch(self, name, grid, block, args, stream):
+        def launch(self, name, grid, block, args, stream, shared_mem=0):
             self.launched.append(name)
+            self.blocks.append((block, shared_mem))
 
     kern, g = Recorder(3), _layer(CupyMmaW4a16Mxfp4Experts, 2880, 2880, 128, 4)
     assert g.last_gemm_kernels == {}
@@ -119,5 +134,57 @@ def test_a_call_records_the_gemm_kernels_it_launched_with_their_split_factor():
         g._gemm(kern, 0, epi, K.SPLIT_TILE, tiles, None, None, None, None, None, 1, None, None, n, k, 2880, 4, 0, 1.0, 0.0)
     assert g.last_gemm_kernels == {"gemm1": "moe_gemm_2_0_0_1_1_1_pairs", "gemm2": "moe_gemm_2_0_2_1_1_2_pairs"}
     assert kern.launched == list(g.last_gemm_kernels.values())
+    assert kern.blocks == [((128,), 0)] * 2
+    # the staged GEMMs: their own kernels, 160 threads and the ring of stages as dynamic shared memory
+    sorted_tiles = _Tiles(40, (np.uint64(0),) * 5, 32)
+    for nt, kc, st in K.STAGED[g.FORMAT]:
+        kern.launched, kern.blocks = [], []
+        for epi, n, k in ((K.EPI_GATED, 2 * 2880, 2880), (K.EPI_DOWN, 2880, 2880)):
+            g._gemm(kern, 0, epi, (1, nt), sorted_tiles, None, None, None, None, None, 1, None, None, n, k, 2880, 4, 0,
+                    1.0, 0.0, (kc, st))
+        assert g.last_gemm_kernels == {"gemm1": f"moe_gemm_2_0_0_1_{nt}_s{kc}x{st}",
+                                       "gemm2": f"moe_gemm_2_0_2_1_{nt}_s{kc}x{st}"}
+        assert kern.blocks == [((K.STAGED_THREADS,), K.staged_smem(2, nt, kc, st))] * 2
     assert g._launch_inputs(torch.zeros(0, 2880), torch.zeros(0, 4, dtype=torch.int64), torch.zeros(0, 4)) is None
     assert g.last_gemm_kernels == {}   # a call with nothing to launch leaves no earlier call's names
+
+
+@pytest.mark.parametrize("fmt", sorted(K.STAGED))
+def test_every_staged_kernel_a_call_can_name_is_instantiated_and_others_are_refused(fmt):
+    source = K.source_text(K.gemm_instances(fmt, (K.EPI_GATED, K.EPI_RELU2, K.EPI_DOWN)))
+    assert "moe_gemm_##WF##_0_##EPI##_1_##NT##_s##KC##x##ST(" in source
+    stamped = set(re.findall(r"MOE_GEMM_INSTANCE_STAGED\((\d+), (\d+), (\d+), (\d+), (\d+)\)", source))
+    names = {f"moe_gemm_{wf}_0_{epi}_1_{nt}_s{kc}x{st}" for wf, epi, nt, kc, st in stamped}
+    module = next(cls for cls in CUPY if cls.FORMAT == fmt)(MoeShape(2048, 768, 128, 8, "silu_glu"), device="meta")
+    for nt, kc, st in K.STAGED[fmt]:
+        assert module._staging((1, nt), (kc, st)) == ((kc, st), (kc, st))
+        for epi in (K.EPI_GATED, K.EPI_RELU2, K.EPI_DOWN):
+            assert K.gemm_name(fmt, epi, (1, nt), staging=(kc, st)) in names, (epi, nt, kc, st)
+    first = next((kc, st) for nt, kc, st in K.STAGED[fmt] if nt == 1)
+    module.STAGED_PLAN = {}
+    assert module._staging((1, 1), None) == (first, first)
+    module.STAGED_PLAN = {(1, 1): (first, None)}   # GEMM2 on the register kernel
+    assert module._staging((1, 1), None) == (first, None)
+    assert module.plan(64, 8) == ("staged", (1, 1)) and module.plan(1, 8)[0] == "pairs"
+    compiled = ", ".join(f"tile (1, {nt}) with {kc} x {st}" for nt, kc, st in K.STAGED[fmt])
+    for tile, staging in (((1, 1), (3, 3)), ((2, 4), None)):
+        with pytest.raises(ValueError) as err:
+            module._staging(tile, staging)
+        assert str(err.value) == (f"{module.IMPL_ID}: no staged GEMM for tile {tile} with stages {staging} "
+                                  f"(compiled: {compiled})")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH: install the CUDA toolkit")
+def test_the_staged_shared_memory_is_what_the_kernel_asks_for(tmp_path):
+    """K.staged_smem against moe_kernels.cu's own `Stage` sizes, printed by a host program compiled from the source
+    (the kernel traps when launched with less than ST stages and their barriers)."""
+    configs = [(K.WF[fmt], nt, kc, st) for fmt, cfgs in K.STAGED.items() for nt, kc, st in cfgs]
+    prints = "".join(f'  printf("%d\\n", {st} * Stage<{wf}, {nt}, {kc}>::BYTES + 16 * {st});\n'
+                     for wf, nt, kc, st in configs)
+    src = tmp_path / "stage.cu"
+    src.write_text(f'#include <cstdio>\n#include "{K.SOURCE}"\nint main() {{\n{prints}  return 0;\n}}\n')
+    exe = tmp_path / "stage"
+    subprocess.run([shutil.which("nvcc"), "-std=c++17", "-arch=sm_90", str(src), "-o", str(exe)], check=True,
+                   capture_output=True)
+    printed = [int(v) for v in subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()]
+    assert printed == [K.staged_smem(*cfg) for cfg in configs]

@@ -67,7 +67,7 @@ def test_a_launch_hands_the_driver_its_grid_stream_pdl_attribute_and_arguments(m
                               ctypes.c_float.from_address(pointers[2]).value)})
         return 0
 
-    monkeypatch.setattr(driver, "_LIBCUDA", [recorder])
+    monkeypatch.setattr(driver, "_LAUNCH", [recorder])
     rng = np.random.default_rng(11)
     calls = [((np.int64(rng.integers(1, 1000)), 3), (128,), (np.int32(rng.integers(-99, 99)),
               np.uint64(rng.integers(0, 2**63)), np.float32(rng.standard_normal())), 4096, 8 * 128),
@@ -81,7 +81,7 @@ def test_a_launch_hands_the_driver_its_grid_stream_pdl_attribute_and_arguments(m
 
 
 def test_a_failed_launch_names_the_kernel_and_the_error(monkeypatch):
-    monkeypatch.setattr(driver, "_LIBCUDA", [lambda *a: 1])   # CUDA_ERROR_INVALID_VALUE
+    monkeypatch.setattr(driver, "_LAUNCH", [lambda *a: 1])   # CUDA_ERROR_INVALID_VALUE
     with pytest.raises(RuntimeError) as err:
         driver.launch(1, (2,), (128,), (np.int32(1),), 0, 0, "moe_combine")
     assert str(err.value) == "cuLaunchKernelEx of moe_combine (grid (2,), block (128,)) failed: CUDA error 1"
@@ -121,7 +121,9 @@ def test_every_kernel_waits_for_its_predecessor_before_reading_its_inputs():
         # nothing but declarations of its own indices before the wait
         before = body[1:body.index("wait_then_release();")]
         assert not re.search(r"\[|->", before), (name, before)
-    impl = text[text.index("__device__ __forceinline__ void moe_gemm_impl("):text.index("#define MOE_GEMM_KERNEL(")]
+    staged_start = text.index("// the staged decode GEMM")
+    impl = text[text.index("__device__ __forceinline__ void moe_gemm_impl("):staged_start]
+    impl = impl[:impl.rindex("// ----")]
     # GEMM1 waits before its item loop; GEMM2 issues its first weight loads, then waits, then loads the
     # activations GEMM1 wrote; a thread with no item waits before it exits
     loop = impl.index("for (int item = blockIdx.x;")
@@ -130,6 +132,11 @@ def test_every_kernel_waits_for_its_predecessor_before_reading_its_inputs():
     assert loop < first < impl.index("wait_then_release();", first) < impl.index("load_acts(kc0, aA);")
     assert impl.rstrip().endswith("if (!waited) grid_dependency_wait();   // no item here: still never complete "
                                   "ahead of the previous kernel\n}")
+    # the staged GEMM: every warp waits before it reads the tile count, the tiles or (through its copies) a row
+    staged = text[text.index("__device__ __forceinline__ void moe_gemm_staged_impl("):text.index("#define MOE_GEMM_KERNEL(")]
+    wait = staged.index("wait_then_release();")
+    assert wait < staged.index("num_tiles[0]") < staged.index("for (int item = blockIdx.x;")
+    assert not re.search(r"tile_expert\[|sorted_pair\[|offs\[|bulk_copy\(", staged[:wait])
 
 
 @pytest.mark.skipif(nvcc() is None or shutil.which("cuobjdump") is None,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runtime.formats import fp4
-from runtime.kernels.layouts import decode_bf16_word, decode_e4m3_word, interleave_gate_up, relayout_fp4, tile_fp4_rows
+from runtime.kernels.layouts import decode_bf16_word, decode_e4m3_word, interleave_gate_up, relayout_fp4, tile_rows
 
 
 def _bf16(bits: int) -> float:
@@ -79,24 +79,28 @@ def test_bf16_decode_is_exact_for_every_code_combination():
     assert np.array_equal(np.signbit(got), np.signbit(expected))                         # -0 stays -0
 
 
-def test_fp4_row_tiles_hold_each_m_tile_chunk_in_512_contiguous_bytes():
-    n, rows, k = 2, 48, 192          # 3 row blocks of 16, 3 chunks of 64 K elements (32 bytes a row)
-    packed = torch.randint(0, 256, (n, rows, k // 2), generator=torch.Generator().manual_seed(3), dtype=torch.uint8)
-    tiled = tile_fp4_rows(packed)
+@pytest.mark.parametrize("chunk_bytes", [32, 2, 4], ids=["fp4_weights", "mxfp4_scales", "nvfp4_scales"])
+def test_row_tiles_hold_each_m_tile_chunk_in_contiguous_bytes(chunk_bytes):
+    n, rows, chunks = 2, 48, 3          # 3 row blocks of 16, 3 chunks of 64 K elements
+    packed = torch.randint(0, 256, (n, rows, chunks * chunk_bytes), generator=torch.Generator().manual_seed(3),
+                           dtype=torch.uint8)
+    tiled = tile_rows(packed, chunk_bytes)
     assert tiled.shape == packed.shape and tiled.dtype == torch.uint8
     flat = tiled.reshape(n, -1)
+    tile = 16 * chunk_bytes
     for e in range(n):
         for b in range(rows // 16):
-            for c in range(k // 64):
-                at = (b * (k // 64) + c) * 512          # tile (b, c) of expert e, in row block b's bytes
+            for c in range(chunks):
+                at = (b * chunks + c) * tile          # tile (b, c) of expert e, in row block b's bytes
                 for r in range(16):
-                    got = flat[e, at + 32 * r:at + 32 * r + 32]
-                    assert torch.equal(got, packed[e, 16 * b + r, 32 * c:32 * c + 32]), (e, b, c, r)
+                    got = flat[e, at + chunk_bytes * r:at + chunk_bytes * (r + 1)]
+                    want = packed[e, 16 * b + r, chunk_bytes * c:chunk_bytes * (c + 1)]
+                    assert torch.equal(got, want), (e, b, c, r)
 
 
 @pytest.mark.parametrize("shape", [(2, 40, 96), (2, 32, 80)])
-def test_fp4_row_tiles_refuse_rows_or_k_off_the_tile(shape):
+def test_row_tiles_refuse_rows_or_k_off_the_tile(shape):
     with pytest.raises(ValueError) as err:
-        tile_fp4_rows(torch.zeros(shape, dtype=torch.uint8))
-    assert str(err.value) == ("tile_fp4_rows needs uint8 [..., N, K/2] with N % 16 == 0 and K % 64 == 0, got "
-                              f"{shape} torch.uint8")
+        tile_rows(torch.zeros(shape, dtype=torch.uint8), 32)
+    assert str(err.value) == ("tile_rows needs uint8 [..., N, B] with N % 16 == 0 and B a whole number of 32-byte "
+                              f"K chunks, got {shape} torch.uint8")
