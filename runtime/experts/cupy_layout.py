@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import SCALE_BYTES, WF
 from ..kernels.layouts import interleave_gate_up, relayout_fp4, tile_rows
 from .base import MoeShape
 
@@ -63,8 +64,7 @@ def convert(fmt: str, spec: MoeShape, expert_ids, staged, device) -> dict:
         relaid = lambda t: relayout_fp4(t, layout)   # noqa: E731
         new["w13"] = tile_rows(first("weight", relaid), 32)
         new["w2"] = tile_rows(relaid(stacked("down", "weight")), 32)
-        # scale bytes of one row per 64-element chunk: NVFP4 one per 16 elements, MXFP4 one per 32
-        per_chunk = 4 if fmt == "w4a16_nvfp4" else 2
+        per_chunk = SCALE_BYTES[WF[fmt]]
         scale_dtype = torch.float8_e4m3fn if fmt == "w4a16_nvfp4" else torch.uint8
         as_bytes = lambda t: t.view(torch.uint8)   # noqa: E731
         new["s13"] = tile_rows(first("weight_scale", as_bytes), per_chunk).view(scale_dtype)

@@ -53,6 +53,9 @@ EXTRA_TILES = ((1, 4), (1, 8), (2, 8), (4, 4))
 # tests of a ring of more stages.
 STAGED = {fmt: ((1, 8, 2), (2, 8, 2), (1, 4, 4)) for fmt in ("w4a16_mxfp4", "w4a16_nvfp4")}
 STAGED_THREADS = 160
+# Block-scale bytes of one weight row per 64-element chunk of K (moe_kernels.cu ScaleBytes), by weight format: NVFP4
+# one E4M3 per 16 elements, MXFP4 one E8M0 per 32; the scales are tiled by 16 rows x one chunk (layouts.tile_rows).
+SCALE_BYTES = {WF["w4a16_mxfp4"]: 2, WF["w4a16_nvfp4"]: 4}
 # What the W4A16 classes' `plan` stages: the decode tiles, 8 chunks a stage and 2 stages for both GEMMs (the layer under
 # CUDA graphs 15-30 % faster than on the register GEMM at the gpt-oss and Qwen3 cells of 8-256 tokens that plan these
 # tiles, BENCHMARKS.md, fifteenth session).
@@ -72,8 +75,7 @@ def staged_smem(wf: int, nt: int, kc: int, st: int) -> int:
     """Dynamic shared memory of a staged GEMM of weight format `wf` (a WF value; moe_kernels.cu `Stage`): ST
     stages of 4 m-tiles' weights (512 bytes a chunk) and scales, and 8 * NT token rows of KC * 128 bytes
     padded by 16; then 2 ST barriers of 8 bytes (the kernel stops itself when launched with less)."""
-    scale_bytes = 4 if wf == WF["w4a16_nvfp4"] else 2
-    stage = 4 * kc * 512 + 4 * kc * 16 * scale_bytes + 8 * nt * (kc * 128 + 16)
+    stage = 4 * kc * 512 + 4 * kc * 16 * SCALE_BYTES[wf] + 8 * nt * (kc * 128 + 16)
     return st * stage + 2 * st * 8
 
 
@@ -124,14 +126,19 @@ def all_instances() -> tuple[tuple[int, ...], ...]:
     return tuple(seen)
 
 
+def _staging_of(inst) -> tuple[int, int] | None:
+    """(KC, ST) of a staged GEMM instance (WF, AQ, EPI, 1, NT, "s<KC>x<ST>"); None for the other kernels."""
+    last = inst[-1]
+    return tuple(map(int, last[1:].split("x"))) if isinstance(last, str) and last.startswith("s") else None
+
+
 def _instance_line(inst) -> str:
     if inst[-1] == "pairs":
         wf, aq, epi, _, _, sk, _ = inst
         return f"MOE_GEMM_INSTANCE_PAIRS({wf}, {aq}, {epi}, {sk})\n"
-    if isinstance(inst[-1], str):   # staged: (WF, AQ, EPI, 1, NT, "s<KC>x<ST>")
-        wf, _, epi, _, nt, cfg = inst
-        kc, st = cfg[1:].split("x")
-        return f"MOE_GEMM_INSTANCE_STAGED({wf}, {epi}, {nt}, {kc}, {st})\n"
+    staging = _staging_of(inst)
+    if staging is not None:
+        return f"MOE_GEMM_INSTANCE_STAGED({inst[0]}, {inst[2]}, {inst[4]}, {staging[0]}, {staging[1]})\n"
     return f"MOE_GEMM_INSTANCE{'_SPLIT' if len(inst) > 5 else ''}({', '.join(map(str, inst))})\n"
 
 
@@ -158,6 +165,7 @@ class Kernels:
         self._module = module
         self._fns: dict = {}
         self._ptrs: dict = {}
+        self._resident: dict = {}   # (name, threads, dynamic shared memory) -> CTAs an SM holds
         self.device_index = device_index
         self.sm_count = sm_count
 
@@ -175,12 +183,16 @@ class Kernels:
         return ptr
 
     def persistent_grid(self, name: str, items: int, threads: int = 128, shared_mem: int = 0) -> int:
-        """CTAs for a grid-stride kernel: all resident at once (no tail), never more than the items."""
-        import cupy
+        """CTAs for a grid-stride kernel: all resident at once (no tail), never more than the items. The driver's
+        occupancy answer is asked once per kernel and launch shape (every call launches with this grid)."""
+        key = (name, threads, shared_mem)
+        per_sm = self._resident.get(key)
+        if per_sm is None:
+            import cupy
 
-        with cupy.cuda.Device(self.device_index):
-            per_sm = driver.resident_blocks(self.ptr(name), threads, shared_mem)
-        return max(1, min(items, max(1, per_sm) * self.sm_count))
+            with cupy.cuda.Device(self.device_index):
+                per_sm = self._resident[key] = max(1, driver.resident_blocks(self.ptr(name), threads, shared_mem))
+        return max(1, min(items, per_sm * self.sm_count))
 
     def launch(self, name: str, grid, block, args, stream_ptr: int, shared_mem: int = 0) -> None:
         """Launch on the CUDA stream `stream_ptr` (torch's current one), with programmatic dependent launch
@@ -218,9 +230,9 @@ def load(instances, device) -> Kernels:
         for inst in instances:      # compile (or load) now, never during a CUDA-graph capture
             name = "moe_gemm_" + "_".join(map(str, inst))
             kernels.fn(name)
-            if isinstance(inst[-1], str) and inst[-1].startswith("s"):   # staged: its ring of stages
-                kc, st = map(int, inst[-1][1:].split("x"))
-                driver.allow_dynamic_shared(kernels.ptr(name), staged_smem(inst[0], inst[4], kc, st))
+            staging = _staging_of(inst)
+            if staging is not None:   # its ring of stages, above the 48 KB a launch gets unasked
+                driver.allow_dynamic_shared(kernels.ptr(name), staged_smem(inst[0], inst[4], *staging))
         for helper in ("moe_align", "moe_align_count", "moe_align_scatter", "quant_fp8_rows", "gather_rows", "act_rows",
                        "moe_combine", "moe_route"):
             kernels.fn(helper)

@@ -22,7 +22,6 @@ import pytest
 import torch
 
 from runtime import kernels as K
-
 from runtime.experts.base import DictExpertSource, ExpertParallel, MoeShape
 from runtime.experts.triton_grouped import TritonWgmmaFp8BlockScalesExperts
 from tests.gpu.helpers_graphs import assert_graph_replay_matches_eager
