@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from families import FAMILIES
 from families.base import ConfigError, FamilySpec, Key
@@ -77,12 +77,26 @@ class RopeScaling(_Typed):
         return self
 
 
+def _unbounded(limit: list) -> list:
+    """A Mamba-2 `time_step_limit` that bounds nothing: `[0, inf]` (config.json writes inf as transformers 5
+    saves it, `{"__float__": "Infinity"}`; TOML as `inf`). The runtime's scan runs dt unbounded, as vLLM
+    does and as transformers' decode step does whatever the config says, so a real bound is refused."""
+    infinite = (float("inf"), {"__float__": "Infinity"})
+    if len(limit) == 2 and type(limit[0]) in (int, float) and limit[0] == 0 and limit[1] in infinite:
+        return limit
+    text = repr(limit)
+    raise ConfigError((), f"time_step_limit {text if len(text) <= 40 else text[:37] + '...'} bounds Mamba-2's step "
+                          "dt; moegen's scan runs it unbounded, (0, inf), as vLLM runs these checkpoints: set "
+                          "[0.0, inf] or remove the key")
+
+
 # What each `families.base.Key` type name means (a spec names a type; pydantic checks it here).
 TYPES = {
     "dim": Dim, "layers": Layers, "count": Count, "index": Index, "positive": Positive, "non_negative": NonNegative,
     "fraction": Fraction, "eps": Eps, "bool": bool, "identifiers": list[Identifier], "indices": list[Index],
     "rope": RopeScaling, "layer_types": list[LayerType], "mixer_types": list[MixerType],
     "layer_pattern": Annotated[str, Field(pattern=r"^[M*E-]+$", max_length=MAX_LAYERS)],   # one letter per layer
+    "unbounded_limit": Annotated[list, AfterValidator(_unbounded)],
 }
 
 

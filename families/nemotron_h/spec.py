@@ -93,7 +93,7 @@ SPEC = FamilySpec(
         "mlp_bias": default((False,), False),
         "attention_bias": default((False,), False),
         "moe_latent_size": default((None,), None, nullable=True),   # latent experts projection: not built
-        "time_step_min": default("positive", 0.001),
+        "time_step_limit": optional("unbounded_limit"),    # Mamba-2's dt bound: only (0, inf) is built
         "layer_norm_epsilon": default("eps", 1e-5),
         "n_group": default("dim", 1),
         "topk_group": default("dim", 1),

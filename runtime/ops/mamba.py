@@ -3,9 +3,9 @@
 `in_proj` makes, per token, the gate `z` (heads x head_dim), the conv input `xBC` (x, then B and C for
 `n_groups` groups of `state_size`) and one `dt` per head. `xBC` passes a causal depthwise conv of width
 `conv_kernel` and SiLU; then per head `h <- exp(dt A) h + dt x B^T` and `y = h C + D x`, with
-`dt = softplus(dt + dt_bias)` and `A = -exp(A_log)`, all in fp32. `dt` has no floor: the config's
-`time_step_min` is where `dt_bias`'s initialisation starts, not a bound (Mamba-2's `dt_limit` is
-`(0, inf)`, as vLLM and transformers >= 5.25 run these checkpoints). The output is RMS-normed in
+`dt = softplus(dt + dt_bias)` and `A = -exp(A_log)`, all in fp32. `dt` is unbounded: Mamba-2's `dt_limit`
+`(0, inf)`, as vLLM and transformers >= 5.25 run these checkpoints (a config bounding it is refused where it
+is read, registry/configs.py; `time_step_min` is where `dt_bias`'s initialisation starts). The output is RMS-normed in
 `n_groups` groups after gating by `silu(z)`, and projected back by `out_proj`.
 
 The scan runs in plain torch in one of two forms that sum the same terms in another order: token by
@@ -171,7 +171,6 @@ class Mamba2Mixer(nn.Module):
         n_groups: int,
         conv_kernel: int,
         norm_eps: float,
-        time_step_min: float | None = None,
         conv_bias: bool = True,
         proj_bias: bool = False,
         tp_rank: int = 0,
@@ -186,9 +185,6 @@ class Mamba2Mixer(nn.Module):
                              "ranks; choose a tp that divides them")
         heads, groups = num_heads // tp_size, n_groups // tp_size
         self.num_heads, self.head_dim, self.state_size, self.n_groups = heads, head_dim, state_size, groups
-        # `time_step_min` is accepted for the builders that pass it, and bounds nothing: it is an init range
-        # (transformers <= 5.24 clamped its chunked prefill to it, though never its decode step).
-        del time_step_min
         self.conv_kernel = conv_kernel
         self.inner = heads * head_dim
         self.conv_dim = self.inner + 2 * groups * state_size

@@ -142,6 +142,28 @@ def test_an_injected_string_in_a_value_the_family_reads_is_refused_before_any_wr
     assert not (tmp_path / "out").exists()
 
 
+NEMOTRON_H = {
+    "architectures": ["NemotronHForCausalLM"], "vocab_size": 96, "hidden_size": 64, "num_hidden_layers": 2,
+    "hybrid_override_pattern": "ME", "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "n_groups": 2, "mamba_num_heads": 4,
+    # As transformers 5's save_pretrained writes the default (0.0, inf): JSON has no infinity.
+    "time_step_limit": [0.0, {"__float__": "Infinity"}],
+}
+
+
+def test_a_mamba_step_limit_as_transformers_saves_it_imports_and_a_real_bound_is_refused(capsys, tmp_path):
+    code, _, err = cli(capsys, "import-checkpoint", checkpoint(tmp_path / "ok", NEMOTRON_H), "--out", tmp_path / "ok.toml")
+    assert code == 0, err
+    assert load_declaration(tmp_path / "ok.toml").config["time_step_limit"] == [0.0, {"__float__": "Infinity"}]
+    # A bound the scan would ignore (runtime/ops/mamba.py runs dt unbounded) is refused, not dropped.
+    folder = checkpoint(tmp_path / "bound", NEMOTRON_H | {"time_step_limit": [0.0, 0.1]})
+    assert refused(capsys, folder, "--name", "m", "--out", tmp_path / "out" / "m.toml").endswith(
+        "config.time_step_limit: time_step_limit [0.0, 0.1] bounds Mamba-2's step dt; moegen's scan runs it "
+        "unbounded, (0, inf), as vLLM runs these checkpoints: set [0.0, inf] or remove the key"
+    )
+    assert not (tmp_path / "out").exists()
+
+
 # --- nulls ----------------------------------------------------------------------------------------
 
 

@@ -82,7 +82,7 @@ def _mixers():
     deltanet = GatedDeltaNet(hidden_size=64, num_k_heads=2, num_v_heads=4, k_head_dim=16, v_head_dim=8, conv_kernel=4,
                              rms_norm_eps=1e-6, dtype=torch.float32).cuda()
     mamba = Mamba2Mixer(hidden_size=48, num_heads=8, head_dim=6, state_size=12, n_groups=2, conv_kernel=4,
-                        time_step_min=0.001, norm_eps=1e-5, dtype=torch.float32).cuda()
+                        norm_eps=1e-5, dtype=torch.float32).cuda()
     for mixer in (deltanet, mamba):
         with torch.no_grad():
             for p in mixer.parameters():

@@ -6,6 +6,8 @@ Bad files are written into temporary folders and loaded the way every command lo
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from families import FAMILIES, RUNTIME_FAMILIES
@@ -222,6 +224,28 @@ def test_per_layer_lists_and_patterns_have_one_entry_of_the_right_alphabet_per_l
     short = nemotron.replace("moe_intermediate_size = 32\n", 'moe_intermediate_size = 32\nhybrid_override_pattern = "E"\n')
     assert load_error(tmp_path, short) == (
         "FILE:13: config.hybrid_override_pattern: hybrid_override_pattern has 1 entries; it needs one per layer (num_hidden_layers 2)"
+    )
+
+
+NEMOTRON = QWEN.replace('"qwen3_moe"', '"nemotron_h"').replace("num_experts = 4", "n_routed_experts = 4").replace(
+    "moe_intermediate_size = 32\n", 'moe_intermediate_size = 32\nhybrid_override_pattern = "ME"\n')
+
+
+@pytest.mark.parametrize("limit", ["[0.0, inf]", "[0, inf]", '[0.0, { __float__ = "Infinity" }]'])
+def test_a_mamba_step_limit_that_bounds_nothing_is_kept(tmp_path, limit):
+    # transformers 5 saves inf as {"__float__": "Infinity"} (import-checkpoint writes that); TOML spells it inf.
+    path = write(tmp_path / "mymodel.toml", NEMOTRON.replace("num_experts_per_tok = 2\n", f"num_experts_per_tok = 2\ntime_step_limit = {limit}\n"))
+    assert load_declaration(path).config["time_step_limit"][1] in (math.inf, {"__float__": "Infinity"})
+
+
+@pytest.mark.parametrize("limit", ["[0.0, 0.1]", "[0.001, inf]", "[0.0]", '[0.0, { __float__ = "NaN" }]', "[true, inf]"])
+def test_a_mamba_step_limit_that_bounds_dt_is_refused_not_dropped(tmp_path, limit):
+    # The scan runs dt unbounded (runtime/ops/mamba.py): a bound the build would silently ignore is refused.
+    shown = {'[0.0, { __float__ = "NaN" }]': "[0.0, {'__float__': 'NaN'}]", "[true, inf]": "[True, inf]"}.get(limit, limit)
+    text = NEMOTRON.replace("num_experts_per_tok = 2\n", f"num_experts_per_tok = 2\ntime_step_limit = {limit}\n")
+    assert load_error(tmp_path, text) == (
+        f"FILE:12: config.time_step_limit: time_step_limit {shown} bounds Mamba-2's step dt; moegen's scan runs it "
+        "unbounded, (0, inf), as vLLM runs these checkpoints: set [0.0, inf] or remove the key"
     )
 
 

@@ -41,7 +41,7 @@ def _pair(seed=0):
         theirs.dt_bias.copy_(torch.randn(8))
         theirs.dt_bias[:2] -= 8                     # most of these heads' steps below time_step_min
     ours = Mamba2Mixer(hidden_size=48, num_heads=8, head_dim=6, state_size=12, n_groups=2, conv_kernel=4,
-                       time_step_min=0.001, norm_eps=1e-5, dtype=torch.float32)
+                       norm_eps=1e-5, dtype=torch.float32)
     missing, unexpected = ours.load_state_dict(theirs.state_dict(), strict=True)
     assert not missing and not unexpected
     return ours, theirs
@@ -142,6 +142,6 @@ def test_a_chunked_forward_continues_from_the_cached_state(monkeypatch):
 def test_the_mixer_refuses_a_tensor_parallel_split_of_its_groups_that_is_not_exact():
     with pytest.raises(ValueError) as err:
         Mamba2Mixer(hidden_size=48, num_heads=8, head_dim=6, state_size=12, n_groups=2, conv_kernel=4,
-                    time_step_min=0.001, norm_eps=1e-5, tp_size=4)
+                    norm_eps=1e-5, tp_size=4)
     assert str(err.value) == ("the Mamba-2 mixer's n_groups 2 do not split over 4 tensor-parallel ranks; "
                               "choose a tp that divides them")

@@ -24,7 +24,7 @@ def _mixer(kind: str):
                               rms_norm_eps=1e-6, dtype=torch.float32)
     else:
         mixer = Mamba2Mixer(hidden_size=32, num_heads=4, head_dim=6, state_size=8, n_groups=2, conv_kernel=4,
-                            time_step_min=0.001, norm_eps=1e-5, dtype=torch.float32)
+                            norm_eps=1e-5, dtype=torch.float32)
     with torch.no_grad():
         for p in mixer.parameters():
             p.copy_(torch.randn_like(p) * 0.3)

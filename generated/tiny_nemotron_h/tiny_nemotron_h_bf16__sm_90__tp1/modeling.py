@@ -65,7 +65,6 @@ SSM_STATE_SIZE = 16
 N_GROUPS = 2  # the Mamba mixers' B/C groups (and their gated norm's groups)
 CONV_KERNEL = 4
 USE_CONV_BIAS = True
-TIME_STEP_MIN = 0.001
 LAYER_NORM_EPS = 1e-05
 
 # The layer plan, in runs of consecutive decoder layers: their bound MoE implementation id, None for dense MLPs.
@@ -112,7 +111,7 @@ def make_attention(index, layout, rank, dtype):
 def make_mamba(layout, rank, dtype):
     return Mamba2Mixer(
         hidden_size=HIDDEN_SIZE, num_heads=MAMBA_NUM_HEADS, head_dim=MAMBA_HEAD_DIM, state_size=SSM_STATE_SIZE,
-        n_groups=N_GROUPS, conv_kernel=CONV_KERNEL, conv_bias=USE_CONV_BIAS, time_step_min=TIME_STEP_MIN,
+        n_groups=N_GROUPS, conv_kernel=CONV_KERNEL, conv_bias=USE_CONV_BIAS,
         norm_eps=LAYER_NORM_EPS, tp_rank=layout.tp_rank(rank), tp_size=layout.tp, dtype=dtype,
     )
 
