@@ -37,7 +37,7 @@ def _experts_spec(decl: Declaration, c: dict) -> str:
         raise GenerationError(f"{decl.model.name}: the experts shape {resolved} the registry resolved differs from the constants {inlined}")
     args = f"activation={shape.activation!r}, expert_bias={shape.expert_bias}"
     if shape.activation == "swiglu_oai":
-        args += f", swiglu_limit={float(c['swiglu_limit'])!r}"
+        args += f", swiglu_alpha={float(c['swiglu_alpha'])!r}, swiglu_limit={float(c['swiglu_limit'])!r}"
     return f"\n    hidden_size=HIDDEN_SIZE, intermediate_size=MOE_INTERMEDIATE_SIZE, num_experts=NUM_EXPERTS, top_k=TOP_K,\n    {args},\n"
 
 

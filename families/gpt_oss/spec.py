@@ -27,6 +27,7 @@ SPEC = FamilySpec(
         "sliding_window": default("dim", 128),
         "layer_types": optional("layer_types"),      # absent: sliding and full attention alternate
         "swiglu_limit": default("positive", 7.0),
+        "swiglu_alpha": default("positive", 1.702),   # transformers >= 5.25 reads it (5.17 fixed 1.702)
         "num_key_value_heads": default("dim", 8),
         "rms_norm_eps": default("eps", 1e-5),
         "rope_theta": default("positive", 150000.0),

@@ -98,7 +98,7 @@ def test_the_inlined_constants_mean_what_transformers_reads_from_the_same_keys(m
     if family == "glm4_moe":
         assert ours.QK_NORM == ("head" if hc.use_qk_norm else "none")
     if family == "gpt_oss":
-        assert ours.EXPERTS_SPEC.swiglu_limit == hc.swiglu_limit
+        assert (ours.EXPERTS_SPEC.swiglu_alpha, ours.EXPERTS_SPEC.swiglu_limit) == (hc.swiglu_alpha, hc.swiglu_limit)
     if family == "qwen3_next":
         assert ours.FULL_ATTENTION_LAYERS == tuple(i for i, t in enumerate(hc.layer_types) if t == "full_attention")
         assert "linear_attention" in hc.layer_types

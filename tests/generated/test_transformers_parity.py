@@ -72,6 +72,7 @@ VARIANTS = {
     "kimi_routing": ("tiny_deepseek_v3", dict(n_group=1, topk_group=1, routed_scaling_factor=2.827)),
     "glm_no_qk_norm": ("tiny_glm4_moe", dict(use_qk_norm=False)),   # GLM-4.5 as released
     "minimax_one_kv_head": ("tiny_minimax_m2", dict(num_key_value_heads=1)),
+    "gpt_oss_swiglu_alpha": ("tiny_gpt_oss", dict(swiglu_alpha=1.25)),   # not 1.702: the key must reach the experts
 }
 
 

@@ -70,7 +70,7 @@ IGNORED_TENSORS = ()
 # The experts shape every MoE layer is built for: the one its implementation was resolved against.
 EXPERTS_SPEC = MoeShape(
     hidden_size=HIDDEN_SIZE, intermediate_size=MOE_INTERMEDIATE_SIZE, num_experts=NUM_EXPERTS, top_k=TOP_K,
-    activation='swiglu_oai', expert_bias=True, swiglu_limit=7.0,
+    activation='swiglu_oai', expert_bias=True, swiglu_alpha=1.702, swiglu_limit=7.0,
 )
 
 
