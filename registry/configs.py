@@ -77,6 +77,34 @@ class RopeScaling(_Typed):
         return self
 
 
+class Eagle3Config(_Typed):
+    """An Eagle3 head's config besides the shape keys the declaration checks one by one (registry.declaration_model
+    EAGLE3_KEYS, the aux layer ids): a Llama decoder layer as published Eagle3 heads are, typed. A value the head
+    does not build (another activation, biases, more than one layer) is refused, not dropped."""
+
+    num_hidden_layers: Literal[1] | None = None
+    hidden_act: Literal["silu"] | None = None
+    attention_bias: Literal[False] | None = None
+    mlp_bias: Literal[False] | None = None
+    tie_word_embeddings: Literal[False] | None = None   # its lm_head maps onto the draft vocabulary, not the embedding's
+    rms_norm_eps: Eps | None = None
+    rope_theta: Positive | None = None
+    rope_scaling: RopeScaling | None = None
+    rope_parameters: RopeScaling | None = None
+    partial_rotary_factor: Fraction | None = None
+    max_position_embeddings: Dim | None = None
+
+
+def validate_eagle3(config: dict, checked: tuple[str, ...]) -> dict:
+    """An Eagle3 config with the keys of `checked` as given (the declaration checks them with messages of
+    their own) and the rest typed (unknown keys dropped), or `ConfigError` for the first bad one."""
+    try:
+        typed = Eagle3Config.model_validate({k: v for k, v in config.items() if k not in checked})
+    except ValidationError as exc:
+        raise _first_error("eagle3", exc) from None
+    return {k: config[k] for k in checked if k in config} | typed.model_dump(exclude_unset=True)
+
+
 def _unbounded(limit: list) -> list:
     """A Mamba-2 `time_step_limit` that bounds nothing: `[0, inf]` (config.json writes inf as transformers 5
     saves it, `{"__float__": "Infinity"}`; TOML as `inf`). The runtime's scan runs dt unbounded, as vLLM

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 from contract import PARALLEL_NAME, Honored, Layout, layout_grammar
 from families import FAMILIES
 from families.base import FamilySpec
-from registry.configs import CONFIGS, ConfigError, validate_config
+from registry.configs import CONFIGS, ConfigError, validate_config, validate_eagle3
 from registry.errors import DeclarationError, MoegenError
 from registry.formats import CHECKPOINT_ALGOS, CheckpointQuant, expert_format
 from registry.model import DRAFT_KINDS, SPEC_MODES, DraftFacts, ModelFacts, MoeSite, layout_of
@@ -249,10 +249,13 @@ class Declaration(_Strict):
             drafts = []
             for n, draft in enumerate(data["drafts"]):
                 own = draft.get("family") or family if isinstance(draft, dict) else None
-                # An Eagle3 head's config is no family's: _cross_checks reads it key by key.
-                if (isinstance(own, str) and own in CONFIGS and isinstance(draft.get("config"), dict)
-                        and draft.get("kind") != "eagle3"):
-                    draft = draft | {"config": _typed(own, draft["config"], ("drafts", n, "config"), "the drafter's config")}
+                loc = ("drafts", n, "config")
+                # An Eagle3 head's config is no family's: typed as the head it builds, its shape keys checked by
+                # _cross_checks one by one.
+                if isinstance(draft, dict) and draft.get("kind") == "eagle3" and isinstance(draft.get("config"), dict):
+                    draft = draft | {"config": _typed_eagle3(draft["config"], loc)}
+                elif isinstance(own, str) and own in CONFIGS and isinstance(draft.get("config"), dict):
+                    draft = draft | {"config": _typed(own, draft["config"], loc, "the drafter's config")}
                 drafts.append(draft)
             data["drafts"] = drafts
         return data
@@ -323,6 +326,13 @@ class FieldError(ValueError):
     def __init__(self, loc: tuple, message: str):
         super().__init__(message)
         self.loc = loc
+
+
+def _typed_eagle3(config: dict, loc: tuple) -> dict:
+    try:
+        return validate_eagle3(config, EAGLE3_KEYS + ("eagle_aux_hidden_state_layer_ids",))
+    except ConfigError as exc:
+        raise FieldError(loc + exc.key, str(exc)) from None
 
 
 def _typed(family: str, config: dict, loc: tuple, table: str) -> dict:

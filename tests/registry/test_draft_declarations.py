@@ -42,6 +42,38 @@ def test_an_eagle3_config_without_a_key_or_with_bad_aux_layers_is_refused(tmp_pa
                             "(vLLM's convention: the state entering that layer), got [1, 1, 9]; fix them")
 
 
+@pytest.mark.parametrize("new, error", [
+    ('rms_norm_eps = "1e-6", rope_theta = 1e4', "rms_norm_eps: Input should be a valid number, not a string '1e-6'"),
+    ("rms_norm_eps = nan, rope_theta = 1e4", "rms_norm_eps: Input should be a finite number"),
+    ("rms_norm_eps = 1e-6, rope_theta = -5.0", "rope_theta: Input should be greater than 0"),
+    ('rope_theta = 1e4, rope_scaling = { rope_type = "longrope" }',
+     "rope_scaling.rope_type: Input should be 'default', 'yarn' or 'llama3', not a string 'longrope'"),
+    ('rope_theta = 1e4, rope_scaling = { rope_type = "llama3", factor = 8.0 }',
+     "rope_scaling: rope type 'llama3' needs original_max_position_embeddings, low_freq_factor, high_freq_factor; add it"),
+    # What the head does not build is refused, not dropped: it would run silu, without biases, one layer.
+    ('rope_theta = 1e4, hidden_act = "gelu"', "hidden_act: Input should be 'silu', not a string 'gelu'"),
+    ("rope_theta = 1e4, attention_bias = true", "attention_bias: Input should be False, not a boolean True"),
+    ("rope_theta = 1e4, mlp_bias = true", "mlp_bias: Input should be False, not a boolean True"),
+    ("rope_theta = 1e4, num_hidden_layers = 2", "num_hidden_layers: Input should be 1, not an integer 2"),
+])
+def test_an_eagle3_config_value_the_head_does_not_build_is_refused_at_its_key(tmp_path, new, error):
+    # RULES GN4: a draft's config is untrusted input, typed where it loads like a family's [config].
+    message, text = _error(tmp_path, "tiny_qwen3_moe", "rms_norm_eps = 1e-6, rope_theta = 10000.0", new)
+    assert message == f"FILE:{_line(text, new)}: drafts[0].config.{error}"
+
+
+def test_an_eagle3_config_keeps_the_values_the_head_builds(tmp_path):
+    text = (MODELS / "tiny_qwen3_moe.toml").read_text(encoding="utf-8").replace(
+        "rope_theta = 10000.0", 'rope_theta = 5e5, hidden_act = "silu", attention_bias = false, num_hidden_layers = 1, '
+        'rope_scaling = { rope_type = "llama3", factor = 8.0, original_max_position_embeddings = 8192, '
+        "low_freq_factor = 1.0, high_freq_factor = 4.0 }, initializer_range = 0.02", 1)
+    path = tmp_path / "tiny_qwen3_moe.toml"
+    path.write_text(text, encoding="utf-8")
+    config = load_declaration(path).drafts[0].config
+    assert (config["rope_theta"], config["rope_scaling"]["factor"], config["hidden_act"]) == (5e5, 8.0, "silu")
+    assert "initializer_range" not in config and config["eagle_aux_hidden_state_layer_ids"] == [1, 1, 2]
+
+
 def test_an_eagle3_head_with_another_vocabulary_or_without_a_config_is_refused(tmp_path):
     message, _ = _error(tmp_path, "tiny_qwen3_moe", "config = { vocab_size = 512, draft", "config = { vocab_size = 500, draft")
     assert message.endswith(": drafts[0].config.vocab_size: the Eagle3 draft tiny_qwen3_moe_eagle3 has vocab_size 500 and the "
