@@ -102,6 +102,10 @@ TRITON_SWEEP = {
         ((128, 64, 64, 8, 3, 8), (128, 64, 64, 8, 3, 8)),
         ((64, 64, 64, 4, 3, 8), (64, 128, 64, 4, 3, 8)),
         ((128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 3, 8)),
+        # the packed decode (a seventh element True: triton_grouped._fp4_pair_packed, two fma.rn.bf16x2 a pair):
+        # 398 -> ~334 PTX instructions in GEMM1's K loop offline (Triton 3.6, sm_90a), the same bits
+        ((128, 64, 64, 8, 3, 8, True), (128, 128, 64, 8, 3, 8, True)),
+        ((128, 64, 64, 8, 4, 8, True), (128, 128, 64, 8, 4, 8, True)),
     ],
 }
 BYTES_PER_PARAM = {"bf16": 2.0, "fp8_block_scales": 1 + 4 / 128 ** 2, "w4a16_mxfp4": 0.5 + 1 / 32,

@@ -46,7 +46,12 @@ def _configs(cls):
     small_n = 128 if cls.FORMAT == "fp8_block_scales" else 64
     bk = 128 if cls.FORMAT == "fp8_block_scales" else 64
     small = ((16, small_n, bk, 4, 2), (16, 64, bk, 4, 2))
-    return list(dict.fromkeys([cfg for _, cfg in cls.CONFIGS] + [small]))
+    configs = [cfg for _, cfg in cls.CONFIGS] + [small]
+    if cls.FORMAT == "w4a16_mxfp4":
+        # the packed decode (bf16x2 inline PTX, triton_grouped._fp4_pair_packed) of each: the same bits
+        configs = [tuple((*c, 0)[:6] for c in cfg) for cfg in configs]
+        configs += [tuple(c + (True,) for c in cfg) for cfg in configs]
+    return list(dict.fromkeys(configs))
 
 
 def _module(cls, spec, tensors, parallel=ExpertParallel()):
@@ -76,10 +81,15 @@ def test_triton_path_matches_vanilla(cls, activation):
         ids, weights = random_routing(tokens, spec, seed=seed, experts=experts)
         hidden = random_hidden(tokens, spec, seed=seed + 1)
         expected = _reference(cls.FORMAT, spec, tensors, hidden, ids, weights)
+        outs = {}
         for cfg in _configs(cls):
-            out = module(hidden.cuda(), ids.cuda(), weights.cuda(), path="triton", tile=cfg)
+            out = outs[cfg] = module(hidden.cuda(), ids.cuda(), weights.cuda(), path="triton", tile=cfg)
             torch.cuda.synchronize()
             assert out.dtype == torch.bfloat16 and not out.isnan().any(), (tokens, cfg)
+            unpacked = tuple(c[:6] for c in cfg)
+            if unpacked != cfg:
+                # both decodes are exact: the packed one feeds the dots the same bf16 weights
+                assert torch.equal(out, outs[unpacked]), (tokens, cfg)
             try:
                 assert_rel_close(out.cpu(), expected, *_tolerance(cls.FORMAT))
             except AssertionError as err:
