@@ -35,7 +35,10 @@ from tests.runtime.helpers_triton import bf16_dot  # noqa: E402,F401  (autouse f
 
 SMALL = ((16, 64, 64, 4, 2), (16, 64, 64, 4, 2))
 CASES = ([("bf16", cfg) for _, cfg in TritonWgmmaBf16Experts.CONFIGS] + [("bf16", SMALL)]
-         + [("w4a16_mxfp4", cfg) for _, cfg in TritonWgmmaW4a16Mxfp4Experts.CONFIGS] + [("w4a16_mxfp4", SMALL)])
+         # the planned MXFP4 tiles with the unpacked decode: the packed one is inline PTX, which the interpreter
+         # cannot run (tests/gpu/test_triton_experts.py asserts both give the same bits)
+         + [("w4a16_mxfp4", tuple(c[:6] for c in cfg)) for _, cfg in TritonWgmmaW4a16Mxfp4Experts.CONFIGS]
+         + [("w4a16_mxfp4", SMALL)])
 
 
 def _routing(ids: torch.Tensor, experts: int, bm: int):
