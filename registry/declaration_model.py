@@ -7,6 +7,7 @@ name its file and line. `Declaration.facts` is the model as the selection rules 
 from __future__ import annotations
 
 from dataclasses import fields
+from functools import partial
 from typing import Any, Literal, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
@@ -68,6 +69,8 @@ class CheckpointDecl(_Strict):
 # What an Eagle3 head's config must give (its one decoder layer, its vocabularies, the target's width).
 EAGLE3_KEYS = ("vocab_size", "draft_vocab_size", "hidden_size", "target_hidden_size", "intermediate_size",
                "num_attention_heads", "num_key_value_heads", "head_dim")
+# The keys _cross_checks reads from an Eagle3 config with messages of its own (registry.configs types the rest).
+EAGLE3_CHECKED = EAGLE3_KEYS + ("eagle_aux_hidden_state_layer_ids",)
 
 
 class DraftDecl(_Strict):
@@ -244,7 +247,7 @@ class Declaration(_Strict):
         family = data["model"].get("family")
         data = dict(data)
         if isinstance(family, str) and family in CONFIGS and isinstance(data.get("config"), dict):
-            data["config"] = _typed(family, data["config"], ("config",), "[config]")
+            data["config"] = _typed(partial(validate_config, family), data["config"], ("config",), "[config]")
         if isinstance(data.get("drafts"), list):
             drafts = []
             for n, draft in enumerate(data["drafts"]):
@@ -253,9 +256,11 @@ class Declaration(_Strict):
                 # An Eagle3 head's config is no family's: typed as the head it builds, its shape keys checked by
                 # _cross_checks one by one.
                 if isinstance(draft, dict) and draft.get("kind") == "eagle3" and isinstance(draft.get("config"), dict):
-                    draft = draft | {"config": _typed_eagle3(draft["config"], loc)}
+                    draft = draft | {"config": _typed(partial(validate_eagle3, checked=EAGLE3_CHECKED), draft["config"],
+                                                      loc, "the Eagle3 config")}
                 elif isinstance(own, str) and own in CONFIGS and isinstance(draft.get("config"), dict):
-                    draft = draft | {"config": _typed(own, draft["config"], loc, "the drafter's config")}
+                    draft = draft | {"config": _typed(partial(validate_config, own), draft["config"], loc,
+                                                      "the drafter's config")}
                 drafts.append(draft)
             data["drafts"] = drafts
         return data
@@ -328,16 +333,11 @@ class FieldError(ValueError):
         self.loc = loc
 
 
-def _typed_eagle3(config: dict, loc: tuple) -> dict:
+def _typed(validate, config: dict, loc: tuple, table: str) -> dict:
+    """`validate(config)`, the typed config, or a FieldError at the key it refuses (`table` names a refusal of
+    the whole table)."""
     try:
-        return validate_eagle3(config, EAGLE3_KEYS + ("eagle_aux_hidden_state_layer_ids",))
-    except ConfigError as exc:
-        raise FieldError(loc + exc.key, str(exc)) from None
-
-
-def _typed(family: str, config: dict, loc: tuple, table: str) -> dict:
-    try:
-        return validate_config(family, config)
+        return validate(config)
     except ConfigError as exc:
         message = f"{table} {exc}" if not exc.key else str(exc)
         raise FieldError(loc + exc.key, message) from None

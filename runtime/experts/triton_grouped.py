@@ -130,7 +130,7 @@ class TritonWgmmaW4a16Mxfp4Experts(_TritonGroupedExperts, CupyMmaW4a16Mxfp4Exper
     # 2048) CUPY is as fast or 6 % faster since its FP4 rows are tiled (2026-12-02, BENCHMARKS.md).
     # GEMM1 on 64-channel blocks (128 w13 rows): 256 rows are 5-10 % slower (no spills once the launch's
     # divisibility is known to the compiler, 255 registers; H100, 2026-12-05).
-    # The packed decode (the seventh element: bf16x2 pairs, the same bits) is 3-6 % faster at every prefill cell
+    # The packed decode (the seventh element: bf16x2 pairs, the same bits) is 3-7 % faster at every prefill cell
     # (H100, 2026-12-05, BENCHMARKS.md); the unpacked one is what Triton's CPU interpreter runs.
     TRITON_MIN_ROWS = 128
     CONFIGS = ((1e9, ((128, 64, 64, 8, 3, 8, True), (128, 128, 64, 8, 3, 8, True))),)
