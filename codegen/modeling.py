@@ -11,7 +11,7 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 from codegen.errors import GenerationError
-from codegen.modelspec import normalize, rope
+from codegen.modelspec import normalize
 from codegen.plan import BuildPlan, LayerPlan, camel, fingerprint
 from codegen.render import py_block, render_python
 from contract import ROLE_NAMES
@@ -20,6 +20,7 @@ from families.base import FamilySpec
 from registry.declarations import Declaration
 from registry.impls import Registry
 from registry.layer_task import span
+from registry.normal_config import rope
 
 _OPS = ("MoEBlock", "RMSNorm", "RotaryEmbedding")  # embedding and head: runtime.causal_lm builds them
 # Published Eagle3 heads are Llama layers: Llama's rotary defaults (base 10000, the full head).

@@ -9,7 +9,7 @@ many) are accepted and dropped: only the typed keys reach `Declaration.config` a
 
 Kinds of key: `required` the selection rules need it; `template` only a family template reads it, and
 `codegen.modelspec.normalize` refuses a render without it; `default` transformers' config-class default,
-which `normalize` fills in (tests/generated/test_modelspec.py checks each against the class); `optional`
+which `registry.normal_config.normalize` fills in (tests/generated/test_modelspec.py checks each against the class); `optional`
 defaults to `None`: absent.
 """
 
@@ -168,11 +168,6 @@ def _config_model(spec: FamilySpec) -> type[_FamilyConfig]:
 
 # One typed model per family, built from its spec's keys (their types and defaults are stated there only).
 CONFIGS: dict[str, type[_FamilyConfig]] = {name: _config_model(spec) for name, spec in FAMILIES.items()}
-
-
-def defaults(family: str) -> dict:
-    """The transformers default of each optional key the family's code reads (stated once, in its spec)."""
-    return {k: key.value for k, key in FAMILIES[family].keys.items() if key.kind == "default"}
 
 
 def template_keys(family: str) -> tuple[str, ...]:

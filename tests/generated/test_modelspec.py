@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from codegen.import_checkpoint import declaration_config
-from codegen.modelspec import DEFAULTS, normalize
+from codegen.modelspec import normalize
 from families import RUNTIME_FAMILIES
+from registry.normal_config import DEFAULTS
 from runtime.ops import RotaryEmbedding
 from tests.generated import builds
 
