@@ -19,7 +19,8 @@ from pathlib import Path
 import tomlkit
 
 from codegen.modelspec import normalize
-from families import FAMILIES, RUNTIME_FAMILIES, family_for_architecture
+from families import RUNTIME_FAMILIES, family_for_architecture
+from registry.checkpoint_config import published_config
 from registry.configs import ConfigError, validate_config
 from registry.declarations import MODELS_DIR, TOKEN, Declaration, load_declaration
 from registry.errors import DeclarationError
@@ -28,9 +29,6 @@ from registry.impls import load_registry
 from registry.inputs import kind, parse_json, read_bytes, read_json, text_of_path
 from registry.layer_task import span
 from registry.quant_meta import read_checkpoint_quant, read_config
-
-# config.json keys that describe the file, not the model.
-_SKIP_KEYS = {"quantization_config", "torch_dtype", "dtype", "transformers_version", "auto_map", "_name_or_path", "model_type"}
 
 # The safetensors format's dtype codes and their widths in bits (the format's own table).
 DTYPE_BITS = {
@@ -158,14 +156,6 @@ def _toml(value, key: str):
         array.extend(_toml(v, f"{key}[{n}]") for n, v in enumerate(value))
         return array
     return value
-
-
-def published_config(config: dict, family: str) -> dict:
-    """config.json's model keys under their published names (nulls kept)."""
-    # transformers >= 5 writes some keys under its canonical name (the family's spec.published_names).
-    renames = FAMILIES[family].published_names
-    config = FAMILIES[family].published_form(config)
-    return {renames.get(k, k): v for k, v in config.items() if renames.get(k, k) not in _SKIP_KEYS}
 
 
 def config_body(config: dict, family: str) -> dict:

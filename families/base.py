@@ -29,12 +29,15 @@ class Key:
     """One `[config]` key a family reads. `type` names a type of `registry.configs.TYPES`, or is a tuple
     of the only values the runtime builds. `kind`: `required` (the selection rules need it), `template`
     (only the family template reads it: a render refuses its absence), `default` (transformers'
-    config-class default, `value`, filled in by codegen), `optional` (absent means None)."""
+    config-class default, `value`, filled in by codegen), `optional` (absent means None). `built`: False for
+    a key typed and kept but read by no build, which a checkpoint may therefore set otherwise (its context
+    length, the architecture names it lists): loading does not compare it (registry.checkpoint_config)."""
 
     type: str | tuple
     kind: str = "optional"
     value: Any = None
     nullable: bool = True   # None is a value (config.json has nulls where transformers accepts them)
+    built: bool = True
 
 
 def required(type_: str | tuple) -> Key:
@@ -53,14 +56,19 @@ def optional(type_: str | tuple) -> Key:
     return Key(type_, "optional")
 
 
+def unbuilt(type_: str | tuple) -> Key:
+    """An optional key no build reads."""
+    return Key(type_, "optional", built=False)
+
+
 # Keys of every family; the four required ones are what every MoE layer's shape is read from.
 BASE_KEYS: dict[str, Key] = {
     "vocab_size": required("dim"),
     "hidden_size": required("dim"),
     "num_hidden_layers": required("layers"),
     "num_experts_per_tok": required("dim"),
-    "architectures": optional("identifiers"),
-    "max_position_embeddings": optional("dim"),
+    "architectures": unbuilt("identifiers"),
+    "max_position_embeddings": unbuilt("dim"),    # rotary tables grow with the cache; yarn reads its own original length
     "num_attention_heads": template("dim"),
     "num_key_value_heads": optional("dim"),
     "head_dim": optional("dim"),

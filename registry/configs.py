@@ -124,6 +124,7 @@ TYPES = {
     "fraction": Fraction, "eps": Eps, "bool": bool, "identifiers": list[Identifier], "indices": list[Index],
     "rope": RopeScaling, "layer_types": list[LayerType], "mixer_types": list[MixerType],
     "layer_pattern": Annotated[str, Field(pattern=r"^[M*E-]+$", max_length=MAX_LAYERS)],   # one letter per layer
+    "draft_pattern": Annotated[str, Field(pattern=r"^[M*E-]+$", max_length=MAX_LAYERS)],   # one letter per MTP layer
     "unbounded_limit": Annotated[list, AfterValidator(_unbounded)],
 }
 

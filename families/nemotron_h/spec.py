@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from families.base import (BASE_KEYS, RUNTIME_KEYS, Config, ConfigError, FamilySpec, default, keys, optional,
-                           per_layer, required, template)
+                           per_layer, required, template, unbuilt)
 
 
 def pattern(config: Config) -> tuple[int, ...]:
@@ -77,7 +77,7 @@ SPEC = FamilySpec(
         "intermediate_size": default("dim", 21504),         # the `-` layers' MLP
         "num_nextn_predict_layers": optional("count"),
         # The MTP step's layers, one letter each (transformers' default ['full_attention', 'moe']).
-        "mtp_hybrid_override_pattern": default("layer_pattern", "*E"),
+        "mtp_hybrid_override_pattern": default("draft_pattern", "*E"),
         "mlp_hidden_act": default(("relu2",), "relu2"),
         "mamba_hidden_act": default(("silu",), "silu"),
         "num_key_value_heads": default("dim", 8),
@@ -87,7 +87,7 @@ SPEC = FamilySpec(
         "ssm_state_size": default("dim", 128),
         "n_groups": default("dim", 8),
         "conv_kernel": default("dim", 4),
-        "chunk_size": optional("dim"),                      # transformers' chunked scan; the runtime's scan reads no chunks
+        "chunk_size": unbuilt("dim"),                       # transformers' chunked scan; the runtime's scan reads no chunks
         "use_conv_bias": default("bool", True),
         "use_bias": default((False,), False),               # the Mamba projections' bias: none in any release
         "mlp_bias": default((False,), False),
