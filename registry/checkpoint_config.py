@@ -62,7 +62,7 @@ def differences(family: str, built: dict, checkpoint: dict, layers: int) -> list
             found += [(_ROPE.get(k, f"config.rope_scaling.{k}"), other.get(k), mine.get(k))
                       for k in sorted(set(mine) | set(other)) if mine.get(k) != other.get(k)]
         elif _comparable(mine) != _comparable(other):
-            found.append((_DERIVED.get(key, f"config.{key}"), other, mine))
+            found.append((_DERIVED.get(key, f"config.{key}"), _comparable(other), _comparable(mine)))
     return found
 
 
