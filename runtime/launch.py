@@ -202,7 +202,7 @@ def main(argv: Sequence[str] | None = None, *, load_model: Callable, describe: C
          preload: Sequence[str] = (), prog: str = "python -m generated.run", spec_modes: Sequence[str] = ()) -> int:
     """The launcher's command line; returns the exit code (0 ran, 1 a rank failed, 2 refused before starting).
 
-    `describe(model, sm, parallel, checkpoint, checkpoint_name[, spec_mode]) -> RunTarget` and
+    `describe(model, sm, parallel, checkpoint, checkpoint_name[, spec_mode][, num_layers]) -> RunTarget` and
     `write_tiny(model, sm, checkpoint_name, folder, seed)` come from the generated package.
     """
     args = _parser(prog, spec_modes).parse_args(argv)
@@ -216,7 +216,8 @@ def main(argv: Sequence[str] | None = None, *, load_model: Callable, describe: C
         # Resolved once, here: every rank gets the same bound, --timeout over the documented variable.
         timeout_s = parallel.timeout_seconds(args.timeout)
         spec = {} if args.spec_mode is None else {"spec_mode": args.spec_mode}
-        target = describe(args.model, args.sm, args.parallel, args.checkpoint, args.checkpoint_name, **spec)
+        cut = {} if args.num_layers is None else {"num_layers": args.num_layers}
+        target = describe(args.model, args.sm, args.parallel, args.checkpoint, args.checkpoint_name, **spec, **cut)
     except (ValueError, LookupError, OSError) as e:
         return refuse(str(e))
     world = target.layout.world

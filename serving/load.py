@@ -163,6 +163,10 @@ class Builds:
                 checkpoint=name, sm=sm, parallel=parallel, selection=selection, device=device, rank=rank, num_layers=num_layers, **extra
             )
         if checkpoint is not None:
+            from serving.config_check import check_config
+
+            # Compared over the decoder layers this build keeps (num_layers), before any weight is read.
+            check_config(facts_module, checkpoint, len(built.model.layers))
             built.load_checkpoint(checkpoint)
         elif str(device) != "meta":
             # On meta the build is its structure only (which build serves, what it binds): no values to draw.

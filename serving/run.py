@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from runtime import launch
 from contract import Layout
+from serving.config_check import check_config
 from serving.load import Builds, checkpoint_name_of, selection_of
 
 
@@ -33,9 +34,10 @@ class Launcher:
         except MoegenError as e:
             raise ValueError(str(e)) from None
 
-    def describe(self, model, sm, parallel, checkpoint=None, checkpoint_name=None, spec_mode=None):
+    def describe(self, model, sm, parallel, checkpoint=None, checkpoint_name=None, spec_mode=None, num_layers=None):
         """The run's target name and layout numbers, refused (ValueError) before any rank starts when unknown
-        (or when the model has no draft for `spec_mode`)."""
+        (or when the model has no draft for `spec_mode`, or the checkpoint's config.json describes another model
+        in the `num_layers` decoder layers the run keeps)."""
         from registry.errors import MoegenError
         from registry.model import facts_from_literal, layout_of
         from registry.model_resolve import resolve_model
@@ -49,10 +51,13 @@ class Launcher:
                 resolve_model(facts_from_literal(facts.FACTS[name]), selection, sm, layout.moe_tp, layout.ep)
         except MoegenError as e:
             raise ValueError(str(e)) from None
+        layers = self.builds.module(self.builds.index["models"][model]["generic"]).NUM_TARGET_LAYERS
+        if checkpoint is not None:
+            # The launcher refuses a num_layers out of range after this; until then the whole model is compared.
+            check_config(facts, checkpoint, num_layers if isinstance(num_layers, int) and 1 <= num_layers <= layers else layers)
         return launch.RunTarget(
             name=f"{name}__sm_{sm}__{parallel}", parallel=parallel, layout=layout,
-            vocab_size=facts.CONFIG["vocab_size"], checkpoint_name=name,
-            num_layers=self.builds.module(self.builds.index["models"][model]["generic"]).NUM_TARGET_LAYERS,
+            vocab_size=facts.CONFIG["vocab_size"], checkpoint_name=name, num_layers=layers,
         )
 
     def write_tiny(self, model, sm, checkpoint_name, folder, seed=0):

@@ -4,11 +4,11 @@
 canonical per-expert form whatever the family's layout; `load_checkpoint` validates everything, then
 fills a build's parameters and its experts modules. All failures are `CheckpointError`.
 """
-from runtime.checkpoint.errors import CheckpointError
+from runtime.checkpoint.errors import CheckpointConfigError, CheckpointError
 from runtime.checkpoint.experts_sources import (LAYOUTS, GptOssFusedSource, PerExpertSource, detect_layout,
                                                 experts_source)
 from runtime.checkpoint.loader import LoadReport, find_experts_modules, load_checkpoint
 from runtime.checkpoint.reader import CheckpointReader, TensorInfo
 
-__all__ = ["CheckpointError", "CheckpointReader", "GptOssFusedSource", "LAYOUTS", "LoadReport", "PerExpertSource",
+__all__ = ["CheckpointConfigError", "CheckpointError", "CheckpointReader", "GptOssFusedSource", "LAYOUTS", "LoadReport", "PerExpertSource",
            "TensorInfo", "detect_layout", "experts_source", "find_experts_modules", "load_checkpoint"]

@@ -27,3 +27,7 @@ def _format(problems: list[str]) -> str:
     if len(problems) > len(shown):
         lines.append(f"  ... and {len(problems) - len(shown)} more")
     return "\n".join(lines)
+
+
+class CheckpointConfigError(CheckpointError):
+    """A checkpoint whose config.json describes another model than the one the build was generated from."""

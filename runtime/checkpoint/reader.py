@@ -87,7 +87,7 @@ class CheckpointReader:
             return
         if not index.is_file():
             raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {self.path}")
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not all(
                 isinstance(n, str) and isinstance(f, str) for n, f in weight_map.items()):
             raise CheckpointError(f"{index} is not a safetensors index: its weight_map must be an object "
@@ -138,7 +138,7 @@ class CheckpointReader:
             path = self.path / CONFIG_FILE
             if not path.is_file():
                 raise CheckpointError(f"no {CONFIG_FILE} in {self.path}")
-            self._config = _read_json(path)
+            self._config = read_json(path)
         return self._config
 
     @property
@@ -152,7 +152,7 @@ class CheckpointReader:
     def hf_quant_config(self) -> dict | None:
         """hf_quant_config.json (ModelOpt's own quant description), parsed, or None when absent."""
         path = self.path / MODELOPT_QUANT_FILE
-        return _read_json(path) if path.is_file() else None
+        return read_json(path) if path.is_file() else None
 
     @property
     def files(self) -> list[str]:
@@ -249,7 +249,7 @@ def _info(name: str, file: str, view) -> TensorInfo:
     return TensorInfo(name, file, tuple(view.get_shape()), _DTYPES.get(code), code)
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     """A JSON object from `path`; anything else (unreadable, not UTF-8, not JSON, too deep, not an
     object) is a CheckpointError naming the file."""
     try:
