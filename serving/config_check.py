@@ -13,12 +13,16 @@ from runtime.checkpoint.errors import CheckpointConfigError
 from runtime.checkpoint.reader import CONFIG_FILE, read_json
 
 
-def check_config(facts_module, folder, layers: int) -> None:
+def check_config(facts_module, folder, total: int, num_layers=None) -> None:
     """CheckpointConfigError unless `folder`'s config.json gives the model of `facts_module` (a generated
-    facts module: its FAMILY and CONFIG) in its first `layers` decoder layers; a folder without config.json
-    has nothing to compare (the loader reads its tensors alone)."""
+    facts module: its FAMILY and CONFIG) in the decoder layers a build of `total` layers keeps under
+    `num_layers` (None: all); a folder without config.json has nothing to compare (the loader reads its
+    tensors alone)."""
     from registry.checkpoint_config import differences
 
+    # A count out of range is the build's own refusal, raised when it is constructed: the whole model until then.
+    valid = isinstance(num_layers, int) and not isinstance(num_layers, bool) and 1 <= num_layers <= total
+    layers = num_layers if valid else total
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
         return

@@ -110,6 +110,10 @@ class Builds:
             raise SelectionError(f"no generated build of model {model!r}; generated: {', '.join(sorted(self.index['models']))}")
         return self.module(self.index["models"][model]["facts"])
 
+    def target_layers(self, model) -> int:
+        """The decoder layers of `model` (its generic build's layer plan, the same in every build of it)."""
+        return self.module(self.index["models"][model]["generic"]).NUM_TARGET_LAYERS
+
     def load_model(
         self,
         model,
@@ -155,6 +159,11 @@ class Builds:
         for reason in chosen.reasons:
             # Falling back is allowed, silently falling back is not (RULES TG5); `off` asked for it.
             log.log(logging.INFO if mode == "off" else logging.WARNING, "%s; loading the generic build %s", reason, module.__name__)
+        if checkpoint is not None:
+            from serving.config_check import check_config
+
+            # Before the build allocates its parameters: over the decoder layers it keeps (num_layers).
+            check_config(facts_module, checkpoint, self.target_layers(model), num_layers)
         extra = {} if dtype is None else {"dtype": dtype}
         if chosen.kind == "specialized":
             built = module.MODEL_CLASS(device=device, rank=rank, num_layers=num_layers, **extra)
@@ -163,10 +172,6 @@ class Builds:
                 checkpoint=name, sm=sm, parallel=parallel, selection=selection, device=device, rank=rank, num_layers=num_layers, **extra
             )
         if checkpoint is not None:
-            from serving.config_check import check_config
-
-            # Compared over the decoder layers this build keeps (num_layers), before any weight is read.
-            check_config(facts_module, checkpoint, len(built.model.layers))
             built.load_checkpoint(checkpoint)
         elif str(device) != "meta":
             # On meta the build is its structure only (which build serves, what it binds): no values to draw.

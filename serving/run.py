@@ -51,10 +51,9 @@ class Launcher:
                 resolve_model(facts_from_literal(facts.FACTS[name]), selection, sm, layout.moe_tp, layout.ep)
         except MoegenError as e:
             raise ValueError(str(e)) from None
-        layers = self.builds.module(self.builds.index["models"][model]["generic"]).NUM_TARGET_LAYERS
+        layers = self.builds.target_layers(model)
         if checkpoint is not None:
-            # The launcher refuses a num_layers out of range after this; until then the whole model is compared.
-            check_config(facts, checkpoint, num_layers if isinstance(num_layers, int) and 1 <= num_layers <= layers else layers)
+            check_config(facts, checkpoint, layers, num_layers)
         return launch.RunTarget(
             name=f"{name}__sm_{sm}__{parallel}", parallel=parallel, layout=layout,
             vocab_size=facts.CONFIG["vocab_size"], checkpoint_name=name, num_layers=layers,
