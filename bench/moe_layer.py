@@ -107,6 +107,11 @@ TRITON_SWEEP = {
         # at Q and G, 2048 and 8192 tokens (H100, 2026-12-05), so the plan runs it
         ((128, 64, 64, 8, 3, 8, True), (128, 128, 64, 8, 3, 8, True)),
         ((128, 64, 64, 8, 4, 8, True), (128, 128, 64, 8, 4, 8, True)),
+        # the overlapped kernel (an eighth element True: runtime/kernels/gluon_w4.py, the decode of K step k + 1
+        # while step k's wgmma runs): 229 / 199 registers (one CTA an SM), 123 at 64 rows (two)
+        ((128, 64, 64, 8, 3, 8, True, True), (128, 128, 64, 8, 3, 8, True, True)),
+        ((128, 64, 64, 8, 4, 8, True, True), (128, 128, 64, 8, 4, 8, True, True)),
+        ((64, 64, 64, 8, 4, 8, True, True), (64, 128, 64, 8, 4, 8, True, True)),
     ],
 }
 BYTES_PER_PARAM = {"bf16": 2.0, "fp8_block_scales": 1 + 4 / 128 ** 2, "w4a16_mxfp4": 0.5 + 1 / 32,

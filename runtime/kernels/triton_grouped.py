@@ -114,6 +114,22 @@ def _mxfp4_block(w_desc, ws_ptr, w_row0, wrows, k0, K, BK: tl.constexpr, PACKED:
 
 
 @triton.jit
+def _activate(g, u, ACT: tl.constexpr, alpha, limit):
+    """The intermediate of gate g and up u (fp32): silu(g) * u, gpt-oss's clamped swiglu, or relu(u)^2 (also the
+    epilogue of gluon_w4.gemm1, which calls it, so both round alike)."""
+    if ACT == 0:
+        h = g * tl.sigmoid(g) * u
+    elif ACT == 1:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        h = (u + 1.0) * (g * tl.sigmoid(alpha * g))
+    else:
+        r = tl.maximum(u, 0.0)
+        h = r * r
+    return h
+
+
+@triton.jit
 def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr,
           num_tiles_ptr, h_ptr, hs_ptr, H, INTER, TOP_K, max_tiles, alpha, limit,
           FP8: tl.constexpr, W4: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -173,15 +189,7 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, ti
     else:
         g = acc
         u = acc
-    if ACT == 0:
-        h = g * tl.sigmoid(g) * u
-    elif ACT == 1:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-        h = (u + 1.0) * (g * tl.sigmoid(alpha * g))
-    else:
-        r = tl.maximum(u, 0.0)
-        h = r * r
+    h = _activate(g, u, ACT, alpha, limit)
     # the intermediate is rounded to bf16 first, as the bf16 activation of every other path is
     hb = h.to(tl.bfloat16)
     cols = pid_n * BN + tl.arange(0, BN)
@@ -253,18 +261,35 @@ def _weight_desc(w, fmt, rows, bk):
 
 
 def _config(cfg) -> tuple:
-    """(BM, BN, BK, warps, stages, GROUP_M, packed) of a GEMM configuration (BM, BN, BK, warps, stages[, GROUP_M[,
-    packed]]): GROUP_M 0 and the unpacked decode where it stops short."""
-    bm, bn, bk, warps, stages, group_m, packed = (*cfg, 0, False)[:7]
-    return bm, bn, bk, warps, stages, group_m, bool(packed)
+    """(BM, BN, BK, warps, stages, GROUP_M, packed, overlap) of a GEMM configuration (BM, BN, BK, warps, stages[,
+    GROUP_M[, packed[, overlap]]]): GROUP_M 0, the unpacked decode and no overlap where it stops short."""
+    bm, bn, bk, warps, stages, group_m, packed, overlap = (*cfg, 0, False, False)[:8]
+    return bm, bn, bk, warps, stages, group_m, bool(packed), bool(overlap)
+
+
+def _overlap_cfg(fmt, bm, bn, bk, warps, stages, group_m, packed):
+    """The gluon_w4 configuration (BM, BN, STAGES, GROUP_M) of an overlapped MXFP4 GEMM: 64-element K steps on two
+    warpgroups with the packed decode, the only ones it has."""
+    if fmt != "w4a16_mxfp4" or bk != 64 or warps != 8 or not packed:
+        raise ValueError(f"the overlapped GEMMs are MXFP4 with BK 64, 8 warps and the packed decode, got {fmt} "
+                         f"{(bm, bn, bk, warps, stages, group_m, packed)}")
+    return bm, bn, stages, group_m
 
 
 def launch_gemm1(x, xs, w, ws, bias, sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs, *, hidden,
                  inter, top_k, max_tiles, alpha, limit, fmt, gated, act, cfg):
     """GEMM1 over w13 [n, N1, H] (gate/up interleaved) of weight format `fmt` (bf16, fp8_block_scales or
     w4a16_mxfp4; ws: its block scales); cfg = (BM, BN of h, BK, warps, stages[, GROUP_M[, packed]]) (packed: the
-    MXFP4 decode in bf16x2 pairs, `_fp4_pair_packed`)."""
-    bm, bn, bk, warps, stages, group_m, packed = _config(cfg)
+    MXFP4 decode in bf16x2 pairs, `_fp4_pair_packed`; overlap: the gluon_w4 kernel, whose decode of a K step
+    overlaps the previous step's wgmma)."""
+    bm, bn, bk, warps, stages, group_m, packed, overlap = _config(cfg)
+    if overlap:
+        from . import gluon_w4
+
+        return gluon_w4.launch_gemm1(x, w, ws, bias, sorted_pair, offs, tile_expert, tile_row, num_tiles, h,
+                                     hidden=hidden, inter=inter, top_k=top_k, max_tiles=max_tiles, alpha=alpha,
+                                     limit=limit, gated=gated, act=act,
+                                     cfg=_overlap_cfg(fmt, bm, bn, bk, warps, stages, group_m, packed))
     fp8 = fmt == "fp8_block_scales"
     if fp8 and (bn != 128 or bk != 128):
         raise ValueError(f"FP8 gemm1 needs BN = BK = 128 (one activation group, one weight block), got {cfg}")
@@ -281,7 +306,13 @@ def launch_gemm1(x, xs, w, ws, bias, sorted_pair, offs, tile_expert, tile_row, n
 def launch_gemm2(h, hs, w, ws, offs, tile_expert, tile_row, num_tiles, y, *, hidden, inter, max_tiles, fmt, cfg):
     """GEMM2 over w2 [n, H, I] of weight format `fmt` into bf16 rows y [pairs, H] (ws: its block scales);
     cfg = (BM, BN, BK, warps, stages[, GROUP_M[, packed]]), as gemm1's."""
-    bm, bn, bk, warps, stages, group_m, packed = _config(cfg)
+    bm, bn, bk, warps, stages, group_m, packed, overlap = _config(cfg)
+    if overlap:
+        from . import gluon_w4
+
+        return gluon_w4.launch_gemm2(h, w, ws, offs, tile_expert, tile_row, num_tiles, y, hidden=hidden, inter=inter,
+                                     max_tiles=max_tiles,
+                                     cfg=_overlap_cfg(fmt, bm, bn, bk, warps, stages, group_m, packed))
     fp8 = fmt == "fp8_block_scales"
     if fp8 and bk != 128:
         raise ValueError(f"FP8 gemm2 needs BK = 128 (one weight block), got {cfg}")

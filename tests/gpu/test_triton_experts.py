@@ -51,6 +51,10 @@ def _configs(cls):
         # the packed decode (bf16x2 inline PTX, triton_grouped._fp4_pair_packed) of each: the same bits
         configs = [tuple((*c, 0)[:6] for c in cfg) for cfg in configs]
         configs += [tuple(c + (True,) for c in cfg) for cfg in configs]
+        # the overlapped kernel (runtime/kernels/gluon_w4.py) of each packed 8-warp configuration, the same bits,
+        # and its 64-row tile with 4 stages (two CTAs an SM)
+        configs += [tuple(c + (True,) for c in cfg) for cfg in configs if all(len(c) == 7 and c[3] == 8 for c in cfg)]
+        configs += [((64, 64, 64, 8, 4, 8, True, True), (64, 128, 64, 8, 4, 8, True, True))]
     return list(dict.fromkeys(configs))
 
 
@@ -86,10 +90,13 @@ def test_triton_path_matches_vanilla(cls, activation):
             out = outs[cfg] = module(hidden.cuda(), ids.cuda(), weights.cuda(), path="triton", tile=cfg)
             torch.cuda.synchronize()
             assert out.dtype == torch.bfloat16 and not out.isnan().any(), (tokens, cfg)
-            unpacked = tuple(c[:6] for c in cfg)
-            if unpacked != cfg:
-                # both decodes are exact: the packed one feeds the dots the same bf16 weights
-                assert torch.equal(out, outs[unpacked]), (tokens, cfg)
+            for cut in (7, 6):
+                same = tuple(c[:cut] for c in cfg)
+                if same != cfg and same in outs:
+                    # both decodes are exact and the overlapped kernel runs the same products in the same
+                    # order: the same bf16 weights, the same bits as the configuration it extends
+                    assert torch.equal(out, outs[same]), (tokens, cfg, same)
+                    break
             try:
                 assert_rel_close(out.cpu(), expected, *_tolerance(cls.FORMAT))
             except AssertionError as err:
