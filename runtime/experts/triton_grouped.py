@@ -3,7 +3,7 @@
 The CUPY GEMMs are mma.sync kernels that stream weights into registers: right for decode, where
 they read weights at up to 4.4 TB/s, but on sm_90 mma.sync runs FP8 as f16 HMMA and bf16 well below
 the wgmma rate. Here, once a call routes enough rows per expert (`TRITON_MIN_ROWS`: 2 for FP8, 4 for
-bf16, 128 for MXFP4), both GEMMs run
+bf16, 64 for MXFP4), both GEMMs run
 as Triton grouped GEMMs (runtime/kernels/triton_grouped.py) over the same CUPY routing, activation
 quantization and combine kernels; smaller calls run the CUPY path unchanged. Same buffers and weight
 layouts as the CUPY class of the format (weights stay packed: FP8 codes and block scales, MXFP4 words
@@ -126,11 +126,13 @@ class TritonWgmmaW4a16Mxfp4Experts(_TritonGroupedExperts, CupyMmaW4a16Mxfp4Exper
     __doc__ = ("TRITON, MXFP4 weights kept packed (the CUPY layout) and decoded to bf16 in the Triton GEMMs' "
                "registers for prefill, the CUPY kernels for decode. " + _TritonGroupedExperts.__doc__)
     IMPL_ID = "triton.wgmma.grouped_gemm.w4a16_mxfp4"
-    # From 128 rows (Q at 2048 tokens: 12 % less time than CUPY; Q at 8192, 512 rows: 29 % less). At 64 rows (G at
-    # 2048) CUPY is as fast or 6 % faster since its FP4 rows are tiled (2026-12-02, BENCHMARKS.md).
-    # GEMM1 on 64-channel blocks (128 w13 rows): 256 rows are 5-10 % slower (no spills once the launch's
-    # divisibility is known to the compiler, 255 registers; H100, 2026-12-05).
-    # The packed decode (the seventh element: bf16x2 pairs, the same bits) is 3-7 % faster at every prefill cell
-    # (H100, 2026-12-05, BENCHMARKS.md); the unpacked one is what Triton's CPU interpreter runs.
-    TRITON_MIN_ROWS = 128
-    CONFIGS = ((1e9, ((128, 64, 64, 8, 3, 8, True), (128, 128, 64, 8, 3, 8, True))),)
+    # From 64 rows: the overlapped 64-row tile (the eighth element: runtime/kernels/gluon_w4.py, two CTAs an SM) is
+    # 12 % faster than CUPY at G 2048 (64 rows; 2189 against 2500 us) and 2 % faster than the packed Triton tile at
+    # Q 2048 and G 8192 (128, 256 rows); from 512 rows (Q 8192) the packed 128-row Triton tile is 5 % faster
+    # (H100, 2026-12-06, BENCHMARKS.md). The overlapped 128-row tile (one CTA an SM) is 4-8 % slower than both.
+    # GEMM1 on 64-channel blocks (128 w13 rows): 256 rows are 5-10 % slower (H100, 2026-12-05). The packed decode
+    # (the seventh element: bf16x2 pairs, the same bits) is 3-7 % faster than the unpacked one, which is what
+    # Triton's CPU interpreter runs.
+    TRITON_MIN_ROWS = 64
+    CONFIGS = ((256, ((64, 64, 64, 8, 4, 8, True, True), (64, 128, 64, 8, 4, 8, True, True))),
+               (1e9, ((128, 64, 64, 8, 3, 8, True), (128, 128, 64, 8, 3, 8, True))))
