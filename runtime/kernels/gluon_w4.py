@@ -7,7 +7,9 @@ asynchronously: while step k multiplies, the same warps decode step k + 1. Token
 (gathered for gemm1) into a ring of STAGES buffers; the packed words and scales of step k + 2 are loaded
 into registers during step k. Same work list, operands, outputs and decode bits as triton_grouped's
 MXFP4 path (`_fp4_pair_packed`), so the same bf16 products; 8 warps, two warpgroups, each multiplying
-its 64 weight rows by all BM token rows.
+its 64 weight rows by all BM token rows. Both warpgroups meet at barriers every step, so at BM 128 (229-240
+registers: one CTA an SM) nothing fills those waits and the kernel is slower than the Triton one; at BM 64
+(123 registers) two CTAs share an SM, which the plan uses (BENCHMARKS.md, seventeenth session).
 """
 from __future__ import annotations
 
