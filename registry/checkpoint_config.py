@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from families import FAMILIES
-from registry.normal_config import normalize
+from registry.normal_config import normalize, unbounded_limit
 
 # config.json keys that describe the file, not the model.
 SKIP_KEYS = {"quantization_config", "torch_dtype", "dtype", "transformers_version", "auto_map", "_name_or_path", "model_type"}
@@ -88,15 +88,9 @@ def _in_layers(spec, key: str, value, kept: int):
         return [i for i in value or () if i < kept]   # transformers reads a null list of layers as none
     if kind == "index":
         return min(value, kept)
-    if kind == "unbounded_limit" and _unbounded(value):
+    if kind == "unbounded_limit" and (value is None or unbounded_limit(value)):
         return [0, math.inf]   # absent and [0, inf] alike leave Mamba-2's step unbounded, as the build runs it
     return value
-
-
-def _unbounded(limit) -> bool:
-    # config.json spells infinity as transformers 5 saves it ({"__float__": "Infinity"}) or as JSON's Infinity.
-    return limit is None or (isinstance(limit, list) and len(limit) == 2 and limit[0] == 0
-                             and limit[1] in (math.inf, {"__float__": "Infinity"}))
 
 
 def _comparable(value):

@@ -21,6 +21,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from families import FAMILIES
 from families.base import ConfigError, FamilySpec, Key
+from registry.normal_config import unbounded_limit
 
 # Bounds that keep a generation finite (one table row per layer) and a tensor dimension an int32.
 MAX_LAYERS = 1024
@@ -109,8 +110,7 @@ def _unbounded(limit: list) -> list:
     """A Mamba-2 `time_step_limit` that bounds nothing: `[0, inf]` (config.json writes inf as transformers 5
     saves it, `{"__float__": "Infinity"}`; TOML as `inf`). The runtime's scan runs dt unbounded, as vLLM
     does and as transformers' decode step does whatever the config says, so a real bound is refused."""
-    infinite = (float("inf"), {"__float__": "Infinity"})
-    if len(limit) == 2 and type(limit[0]) in (int, float) and limit[0] == 0 and limit[1] in infinite:
+    if unbounded_limit(limit):
         return limit
     text = repr(limit)
     raise ConfigError((), f"time_step_limit {text if len(text) <= 40 else text[:37] + '...'} bounds Mamba-2's step "
@@ -118,13 +118,16 @@ def _unbounded(limit: list) -> list:
                           "[0.0, inf] or remove the key")
 
 
+# Nemotron-H's layer letters: Mamba, attention, MoE, MLP.
+_PATTERN = Annotated[str, Field(pattern=r"^[M*E-]+$", max_length=MAX_LAYERS)]
+
 # What each `families.base.Key` type name means (a spec names a type; pydantic checks it here).
 TYPES = {
     "dim": Dim, "layers": Layers, "count": Count, "index": Index, "positive": Positive, "non_negative": NonNegative,
     "fraction": Fraction, "eps": Eps, "bool": bool, "identifiers": list[Identifier], "indices": list[Index],
     "rope": RopeScaling, "layer_types": list[LayerType], "mixer_types": list[MixerType],
-    "layer_pattern": Annotated[str, Field(pattern=r"^[M*E-]+$", max_length=MAX_LAYERS)],   # one letter per layer
-    "draft_pattern": Annotated[str, Field(pattern=r"^[M*E-]+$", max_length=MAX_LAYERS)],   # one letter per MTP layer
+    "layer_pattern": _PATTERN,   # one letter per decoder layer
+    "draft_pattern": _PATTERN,   # one letter per MTP layer (a type of its own: not cut with the decoder layers)
     "unbounded_limit": Annotated[list, AfterValidator(_unbounded)],
 }
 

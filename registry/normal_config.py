@@ -75,6 +75,13 @@ def rope(config: dict, defaults: dict, head_dim: int, rotary_factor=None, owner:
     return out
 
 
+def unbounded_limit(limit) -> bool:
+    """Whether a Mamba-2 `time_step_limit` bounds nothing, as the builds run it: `[0, inf]`, inf spelled as a float
+    (TOML `inf`, JSON's Infinity) or as transformers 5 saves it (`{"__float__": "Infinity"}`)."""
+    return (isinstance(limit, list) and len(limit) == 2 and type(limit[0]) in (int, float) and limit[0] == 0
+            and limit[1] in (float("inf"), {"__float__": "Infinity"}))
+
+
 def normalize(family: str, config: dict) -> dict:
     """Defaults filled in, head_dim and rotary parameters resolved, one attention window per layer, from a
     `config` already typed (`registry.configs.validate_config`): nothing here checks a value's type or range."""

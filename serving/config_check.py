@@ -19,10 +19,12 @@ def check_config(facts_module, folder, total: int, num_layers=None) -> None:
     `num_layers` (None: all); a folder without config.json has nothing to compare (the loader reads its
     tensors alone)."""
     from registry.checkpoint_config import differences
+    from runtime.causal_lm import check_num_layers
 
-    # A count out of range is the build's own refusal, raised when it is constructed: the whole model until then.
-    valid = isinstance(num_layers, int) and not isinstance(num_layers, bool) and 1 <= num_layers <= total
-    layers = num_layers if valid else total
+    try:
+        layers = total if num_layers is None else check_num_layers(num_layers, total, facts_module.MODEL)
+    except (TypeError, ValueError):
+        layers = total   # a count out of range is the build's own refusal, raised when it is constructed
     path = Path(folder) / CONFIG_FILE
     if not path.is_file():
         return
