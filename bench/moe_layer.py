@@ -108,8 +108,8 @@ TRITON_SWEEP = {
         ((128, 64, 64, 8, 3, 8, True), (128, 128, 64, 8, 3, 8, True)),
         ((128, 64, 64, 8, 4, 8, True), (128, 128, 64, 8, 4, 8, True)),
         # the overlapped kernel (an eighth element True: runtime/kernels/gluon_w4.py, the decode of K step k + 1
-        # while step k's wgmma runs): 229-240 / 199 registers at 128 rows (one CTA an SM: 4-13 % slower than the packed
-        # tile), 123 at 64 rows (two: 2 % faster at Q 2048 and G 8192, 12 % faster than CUPY at G 2048; H100, 2026-12-06)
+        # while step k's wgmma runs): 229-240 / 199 registers at 128 rows (one CTA an SM: 3-13 % slower than the packed
+        # tile), 121-127 at 64 rows (two: 2 % faster at Q 2048 and G 8192, 12 % faster than CUPY at G 2048; H100, 2026-12-06)
         ((128, 64, 64, 8, 3, 8, True, True), (128, 128, 64, 8, 3, 8, True, True)),
         ((128, 64, 64, 8, 4, 8, True, True), (128, 128, 64, 8, 4, 8, True, True)),
         ((64, 64, 64, 8, 4, 8, True, True), (64, 128, 64, 8, 4, 8, True, True)),

@@ -129,7 +129,8 @@ class TritonWgmmaW4a16Mxfp4Experts(_TritonGroupedExperts, CupyMmaW4a16Mxfp4Exper
     # From 64 rows: the overlapped 64-row tile (the eighth element: runtime/kernels/gluon_w4.py, two CTAs an SM) is
     # 12 % faster than CUPY at G 2048 (64 rows; 2189 against 2500 us) and 2 % faster than the packed Triton tile at
     # Q 2048 and G 8192 (128, 256 rows); from 512 rows (Q 8192) the packed 128-row Triton tile is 5 % faster
-    # (H100, 2026-12-06, BENCHMARKS.md). The overlapped 128-row tile (one CTA an SM) is 4-8 % slower than both.
+    # (H100, 2026-12-06, BENCHMARKS.md). The overlapped 128-row tile (one CTA an SM) is 3-13 % slower than the
+    # packed one.
     # GEMM1 on 64-channel blocks (128 w13 rows): 256 rows are 5-10 % slower (H100, 2026-12-05). The packed decode
     # (the seventh element: bf16x2 pairs, the same bits) is 3-7 % faster than the unpacked one, which is what
     # Triton's CPU interpreter runs.

@@ -9,7 +9,7 @@ into registers during step k. Same work list, operands, outputs and decode bits 
 MXFP4 path (`_fp4_pair_packed`), so the same bf16 products; 8 warps, two warpgroups, each multiplying
 its 64 weight rows by all BM token rows. Both warpgroups meet at barriers every step, so at BM 128 (229-240
 registers: one CTA an SM) nothing fills those waits and the kernel is slower than the Triton one; at BM 64
-(123 registers) two CTAs share an SM, which the plan uses (BENCHMARKS.md, seventeenth session).
+(GEMM1 123-127 registers, GEMM2 121) two CTAs share an SM, which the plan uses (BENCHMARKS.md, seventeenth session).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.runtime.jit import constexpr_function
 
 from .layouts import BF16_WORD_MAG, BF16_WORD_SIGN
-from .triton_grouped import _activate, _program
+from .triton_grouped import _activate, _program, _tile
 
 _MAG, _SIGN = gl.constexpr(BF16_WORD_MAG), gl.constexpr(BF16_WORD_SIGN)
 WARPS = gl.constexpr(8)   # two warpgroups; a K step is 64 elements, one 16 x 64 tile chunk (layouts.tile_rows)
@@ -112,15 +112,6 @@ def _acc_layout(bm):
 
 
 @gluon.jit
-def _tile_rows(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr, layout: gl.constexpr, BM: gl.constexpr):
-    """(expert, rows clamped into the tile, row mask) of a live token tile (triton_grouped._tile)."""
-    e = gl.load(tile_expert_ptr + pid_m)
-    r1 = gl.load(offs_ptr + e + 1)
-    rows = gl.load(tile_row_ptr + pid_m) + gl.arange(0, BM, layout=layout)
-    return e.to(gl.int64), gl.minimum(rows, r1 - 1), rows < r1
-
-
-@gluon.jit
 def _store(out_ptr, vals, col0, width, rows, rmask):
     """vals [columns, rows] (fp32) as bf16 into out [*, width] at columns col0.. of `rows` (masked: `rmask`, columns
     past `width`), channel-fastest as the rows are laid out."""
@@ -142,8 +133,8 @@ def gemm1(x_ptr, w_ptr, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, tile_expert
     acc_layout: gl.constexpr = _acc_layout(BM)
     pid_m, pid_n = _program(gl.program_id(0), max_tiles, gl.cdiv(INTER, BN), GROUP_M)
     if pid_m < gl.load(num_tiles_ptr):
-        tok_layout: gl.constexpr = gl.SliceLayout(0, acc_layout)
-        e, rows, rmask = _tile_rows(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr, tok_layout, BM)
+        lanes = gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
+        e, rows, rmask = _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr, lanes)
         tok = gl.load(sorted_pair_ptr + rows) // TOP_K
         n1 = INTER * PLANES
         wcol_layout: gl.constexpr = gl.SliceLayout(1, acc_layout)
@@ -170,7 +161,8 @@ def gemm2(h_ptr, w_ptr, ws_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, num_til
     acc_layout: gl.constexpr = _acc_layout(BM)
     pid_m, pid_n = _program(gl.program_id(0), max_tiles, gl.cdiv(H, BN), GROUP_M)
     if pid_m < gl.load(num_tiles_ptr):
-        e, rows, rmask = _tile_rows(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr, gl.SliceLayout(0, acc_layout), BM)
+        lanes = gl.arange(0, BM, layout=gl.SliceLayout(0, acc_layout))
+        e, rows, rmask = _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr, lanes)
         cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout))
         acc = _gemm(h_ptr, rows, w_ptr, ws_ptr, e * H + gl.minimum(cols, H - 1), INTER, acc_layout, BN, BM, STAGES)
         _store(y_ptr, acc, pid_n * BN, H, rows, rmask)

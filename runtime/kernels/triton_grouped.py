@@ -33,12 +33,13 @@ _MAG, _SIGN = tl.constexpr(BF16_WORD_MAG), tl.constexpr(BF16_WORD_SIGN)
 
 
 @triton.jit
-def _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr, BM: tl.constexpr):
-    """(expert, rows clamped into the tile, row mask) of a live token tile."""
+def _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr, lanes):
+    """(expert, rows clamped into the tile, row mask) of a live token tile; `lanes` 0 .. BM - 1 (an arange: gluon_w4
+    passes its own, laid out for its MMA)."""
     e = tl.load(tile_expert_ptr + pid_m)
     r0 = tl.load(tile_row_ptr + pid_m)
     r1 = tl.load(offs_ptr + e + 1)
-    rows = r0 + tl.arange(0, BM)
+    rows = r0 + lanes
     # rows past the tile's end read its last row (a valid address): loads need no mask
     return e.to(tl.int64), tl.minimum(rows, r1 - 1), rows < r1
 
@@ -142,7 +143,7 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, ti
     pid_m, pid_n = _program(tl.program_id(0), max_tiles, tl.cdiv(INTER, BN), GROUP_M)
     if pid_m >= tl.load(num_tiles_ptr):
         return
-    e, rows, rmask = _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr, BM)
+    e, rows, rmask = _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr, tl.arange(0, BM))
     tok = (tl.load(sorted_pair_ptr + rows) // TOP_K).to(tl.int64)
     n1 = INTER * PLANES
     w_row0 = (e * n1 + pid_n * BNW).to(tl.int32)
@@ -213,7 +214,7 @@ def gemm2(h_desc, hs_ptr, w_desc, ws_ptr, offs_ptr, tile_expert_ptr, tile_row_pt
     pid_m, pid_n = _program(tl.program_id(0), max_tiles, tl.cdiv(H, BN), GROUP_M)
     if pid_m >= tl.load(num_tiles_ptr):
         return
-    e, rows, rmask = _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr, BM)
+    e, rows, rmask = _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr, tl.arange(0, BM))
     # the tile's rows are consecutive: rows past its end belong to the next expert (or are past the
     # buffer, zero-filled); their results are never stored
     row0 = tl.load(tile_row_ptr + pid_m)
@@ -279,9 +280,9 @@ def _overlap_cfg(fmt, bm, bn, bk, warps, stages, group_m, packed):
 def launch_gemm1(x, xs, w, ws, bias, sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs, *, hidden,
                  inter, top_k, max_tiles, alpha, limit, fmt, gated, act, cfg):
     """GEMM1 over w13 [n, N1, H] (gate/up interleaved) of weight format `fmt` (bf16, fp8_block_scales or
-    w4a16_mxfp4; ws: its block scales); cfg = (BM, BN of h, BK, warps, stages[, GROUP_M[, packed]]) (packed: the
-    MXFP4 decode in bf16x2 pairs, `_fp4_pair_packed`; overlap: the gluon_w4 kernel, whose decode of a K step
-    overlaps the previous step's wgmma)."""
+    w4a16_mxfp4; ws: its block scales); cfg = (BM, BN of h, BK, warps, stages[, GROUP_M[, packed[, overlap]]])
+    (packed: the MXFP4 decode in bf16x2 pairs, `_fp4_pair_packed`; overlap: the gluon_w4 kernel, whose decode of a
+    K step overlaps the previous step's wgmma)."""
     bm, bn, bk, warps, stages, group_m, packed, overlap = _config(cfg)
     if overlap:
         from . import gluon_w4
@@ -305,7 +306,7 @@ def launch_gemm1(x, xs, w, ws, bias, sorted_pair, offs, tile_expert, tile_row, n
 
 def launch_gemm2(h, hs, w, ws, offs, tile_expert, tile_row, num_tiles, y, *, hidden, inter, max_tiles, fmt, cfg):
     """GEMM2 over w2 [n, H, I] of weight format `fmt` into bf16 rows y [pairs, H] (ws: its block scales);
-    cfg = (BM, BN, BK, warps, stages[, GROUP_M[, packed]]), as gemm1's."""
+    cfg = (BM, BN, BK, warps, stages[, GROUP_M[, packed[, overlap]]]), as gemm1's."""
     bm, bn, bk, warps, stages, group_m, packed, overlap = _config(cfg)
     if overlap:
         from . import gluon_w4
