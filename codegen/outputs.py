@@ -81,9 +81,11 @@ def model_outputs(decl: Declaration, generic: BuildPlan, registry: Registry, ext
                       "quantized_layers": sorted([k, v] for k, v in c.quantized_layers.items())} for c in decl.checkpoints}
     profiles = {k: [p.tp, p.moe_tp, p.ep, p.dp] for k, p in decl.parallel_profiles.items()}
     draft_configs = {d.name: d.config for d in decl.drafts}
+    # The family an external drafter's config is typed by (the load-time compare reads it); an Eagle3 head's config is no family's.
+    draft_families = {d.name: d.family if d.kind == "external" else None for d in decl.drafts}
     # facts.py: exactly the values it writes (the declaration's, never the registry's).
     facts = dict(model=name, family=decl.family.name, config=decl.config, profiles=profiles, quant=quant,
-                 facts=generic.facts, draft_configs=draft_configs)
+                 facts=generic.facts, draft_configs=draft_configs, draft_families=draft_families)
     return [
         _package(f"{name}/__init__.py", command, f"Builds of {name}.", f"Generated builds of {name}."),
         Output(f"{name}/facts.py", render_python("facts.py.j2", f"{name}/facts.py", command, fingerprint(facts), f"Facts of {name}.", **facts),
