@@ -134,7 +134,9 @@ class Builds:
         """Build `model` for (checkpoint, sm, parallel) and load its weights (a checkpoint folder, or random).
 
         `draft_checkpoint`: the folder of a draft that keeps its weights apart from the target's (an external
-        drafter, an Eagle3 head, a replacement MTP head); an embedded MTP draft reads `checkpoint`.
+        drafter, an Eagle3 head, a replacement MTP head); an embedded MTP draft reads `checkpoint`. An external
+        drafter's folder is compared with the drafter's declared config before the draft is built
+        (serving.config_check.check_draft_config).
 
         `dtype` is the build's activation and parameter dtype (default: the build's own, bfloat16).
         `device="meta"` without a checkpoint builds the structure only, allocating nothing.
@@ -194,16 +196,22 @@ class Builds:
         if chosen.kind == "specialized":
             # The build index picked this build only because it holds the draft of this mode (RULES TG6).
             held = next(t["draft"] for t in self.index["targets"] if t["name"] == chosen.target)
-            kind = held["kind"]
-            draft = self.module(held["module"]).DRAFT_CLASS(device=device, rank=rank, **extra)
+            kind, module = held["kind"], self.module(held["module"])
+            build = functools.partial(module.DRAFT_CLASS, device=device, rank=rank, **extra)
         else:
             generic = self.index["models"][model]["generic_draft"]
             if generic is None or mode not in generic["modes"]:
                 return None, f"the generic build of {model} constructs no draft for mode {mode!r}: decoded with the target alone"
             # The generic draft resolves its layers at load under the draft's own selection (DR1, DR2).
-            kind = generic["kind"]
-            draft = self.module(generic["module"]).DRAFT_CLASS(
-                checkpoint=name, sm=sm, parallel=parallel, selection=selection, device=device, rank=rank, **extra)
+            kind, module = generic["kind"], self.module(generic["module"])
+            build = functools.partial(module.DRAFT_CLASS, checkpoint=name, sm=sm, parallel=parallel, selection=selection,
+                                      device=device, rank=rank, **extra)
+        if draft_checkpoint is not None:
+            from serving.config_check import check_draft_config
+
+            # The draft's own folder, before the draft allocates its parameters (an external drafter's config).
+            check_draft_config(self.facts(model), module.DRAFT, draft_checkpoint)
+        draft = build()
         aux, kept = tuple(getattr(draft, "AUX_LAYERS", ())), len(target.model.layers)
         if aux and max(aux) >= kept:
             from registry.errors import SelectionError
