@@ -1,4 +1,4 @@
-"""`load_model(checkpoint=...)` refuses a checkpoint whose config.json describes another model than the build's (a fine-tune's rope_theta, norm epsilon or expert count), naming the key and both values, before any weight is read; the forms that build the same model load (transformers' spelled-out defaults, reduced-layer checkpoints, Nemotron-H's `time_step_limit` [0, inf])."""
+"""`load_model(checkpoint=...)` refuses a checkpoint whose config.json describes another model than the build's (a fine-tune's rope_theta, norm epsilon or expert count), naming the key and both values, before any weight is read; the forms that build the same model load (transformers' spelled-out defaults, reduced-layer checkpoints, Nemotron-H's `time_step_limit` [0, inf]). An external drafter's own folder (`draft_checkpoint=`) is compared with the drafter's declared config the same way; an Eagle3 head's is not (its config is no family's)."""
 from __future__ import annotations
 
 import json
@@ -124,3 +124,77 @@ def test_a_checkpoint_of_a_deeper_model_is_refused():
     with pytest.raises(CheckpointConfigError) as refused:
         generated.load_model("tiny_qwen3_moe", 90, checkpoint=str(deeper), num_layers=1)
     assert str(refused.value) == _refusal(deeper, "config.num_hidden_layers is 3 in the checkpoint, 2 in the build")
+
+
+# -- an external drafter's own folder (`draft_checkpoint=`), compared with the drafter's declared config -------------
+
+DRAFTER = "tiny_kimi_k3_drafter"
+DRAFT_ADVICE = ("pass a checkpoint of the declared drafter as draft_checkpoint, or declare this folder's config as the config "
+                f"of tiny_kimi_k3's [[drafts]] entry {DRAFTER} and generate its builds")
+
+
+@pytest.fixture(scope="module")
+def kimi_target():
+    """tiny_kimi_k3's sm_90 target (the build that holds its external Qwen3-MoE drafter) with seeded random tensors."""
+    return run.write_tiny("tiny_kimi_k3", 90, "tiny_kimi_k3_mxfp4", builds.tmp_folder("cfg-kimi-target"), 0)
+
+
+def _drafter_checkpoint(name: str, **overrides):
+    """tiny_kimi_k3's drafter as declared, `overrides` in its config, saved by transformers (`save_pretrained`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    drafter = next(d for d in builds.declarations()["tiny_kimi_k3"].drafts if d.name == DRAFTER)
+    config = {k: v for k, v in drafter.config.items() if k != "architectures"} | overrides
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", **config), dtype=torch.bfloat16)
+    builds.randomize(hf, 0)
+    folder = builds.tmp_folder(name)
+    hf.save_pretrained(folder)
+    return folder
+
+
+def _load_with_drafter(target, drafter):
+    return generated.load_model("tiny_kimi_k3", 90, checkpoint=str(target), checkpoint_name="tiny_kimi_k3_mxfp4",
+                                speculative_config={"mode": "draft_target"}, draft_checkpoint=str(drafter), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("overrides, said", [
+    ({"rope_theta": 500000.0}, "config.rope_theta is 500000.0 in the checkpoint, 1000000.0 in the build"),
+    ({"num_experts": 16}, "config.num_experts is 16 in the checkpoint, 8 in the build"),
+    ({"num_hidden_layers": 3}, "config.num_hidden_layers is 3 in the checkpoint, 2 in the build"),
+])
+def test_a_drafter_folder_of_another_model_is_refused_naming_the_draft(kimi_target, overrides, said):
+    # rope_theta: the same tensor shapes, so nothing else would notice; the experts and the layers: refused by the
+    # config, not by a tensor shape or a layer count.
+    folder = _drafter_checkpoint(f"cfg-drafter-{next(iter(overrides))}", **overrides)
+    with pytest.raises(CheckpointConfigError) as refused:
+        _load_with_drafter(kimi_target, folder)
+    assert str(refused.value) == (
+        f"{folder}/config.json describes another model than the draft {DRAFTER} of tiny_kimi_k3: {said}. Loaded, it "
+        "would compute another model's logits: " + DRAFT_ADVICE)
+
+
+def test_the_declared_drafters_folder_loads_and_so_does_one_without_config_json(kimi_target):
+    folder = _drafter_checkpoint("cfg-drafter-same")
+    bare = builds.tmp_folder("cfg-drafter-bare")
+    bare.mkdir()
+    for file in folder.glob("*.safetensors"):
+        shutil.copy(file, bare)
+    for drafter in (folder, bare):
+        built = _load_with_drafter(kimi_target, drafter)
+        # The draft holds the folder's tensors (not random ones).
+        assert torch.equal(built.draft.model.lm_head.weight, builds.read_tensors(folder)["lm_head.weight"].float())
+
+
+def test_an_eagle3_heads_folder_is_not_compared():
+    # Its config.json is the head's own (a Llama layer and two vocabularies), no family's: nothing to compare it with.
+    from runtime.checkpoint.writer import random_tensors
+
+    module = builds.load("generated.tiny_qwen3_moe.tiny_qwen3_moe_bf16__sm_120__tp1.draft")
+    config = {"architectures": ["LlamaForCausalLMEagle3"]} | builds.facts("tiny_qwen3_moe").DRAFT_CONFIGS["tiny_qwen3_moe_eagle3"]
+    tensors = random_tensors(module.DRAFT_CLASS(device="meta").weights(), "gate_up_down", 0)
+    folder = save_checkpoint(tensors, builds.tmp_folder("cfg-eagle3-head"), config)
+    built = generated.load_model("tiny_qwen3_moe", 120, speculative_config={"mode": "eagle3"}, draft_checkpoint=str(folder),
+                                 dtype=torch.float32)
+    assert type(built.draft) is module.DRAFT_CLASS
+    assert torch.equal(built.draft.weights().lm_head.weight, tensors["lm_head.weight"].float())
