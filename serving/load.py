@@ -14,8 +14,19 @@ import functools
 import importlib
 import logging
 from pathlib import Path
+from types import ModuleType
+from typing import NamedTuple
 
 log = logging.getLogger("moegen")
+
+
+class HeldDraft(NamedTuple):
+    """The draft a chosen build constructs for a speculative mode: its kind, its module (DRAFT, DRAFT_CLASS), and
+    whether it is a specialized build's `draft.py` (else the generic build's, resolved at load)."""
+
+    kind: str
+    module: ModuleType
+    specialized: bool
 
 
 def selection_of(moe_config, speculative_config):
@@ -146,17 +157,8 @@ class Builds:
         Returns the model (a torch module); under a neural speculative mode its draft build is `model.draft`
         (`model.generate(..., speculative=k)` decodes with it). Raises a moegen error naming what did not match under `require`.
         """
-        from contract import Layout
-        from registry.build_index import pick_build
-        from registry.model import facts_from_literal, layout_of
-
-        facts_module = self.facts(model)
-        name = checkpoint_name_of(facts_module, model, checkpoint, checkpoint_name)
-        facts = facts_from_literal(facts_module.FACTS[name])
-        profiles = {k: Layout(*v) for k, v in facts_module.PROFILES.items()}
-        layout = layout_of(parallel, profiles)
-        selection = selection_of(moe_config, speculative_config)
-        chosen = pick_build(self.index, facts, sm, parallel, layout, selection, mode)
+        facts_module, name, selection, chosen = self._choose(model, sm, parallel, moe_config, speculative_config, checkpoint,
+                                                             checkpoint_name, mode)
         module = self.module(chosen.module)
         for reason in chosen.reasons:
             # Falling back is allowed, silently falling back is not (RULES TG5); `off` asked for it.
@@ -185,25 +187,80 @@ class Builds:
                                                   device, rank, seed, extra))
         return built
 
-    def _load_draft(self, target, model, name, sm, parallel, chosen, selection, checkpoint, draft_checkpoint, device, rank, seed, extra):
-        """(the draft build of `target` the speculative mode needs, None) or (None, why the build decodes without one):
-        an embedded MTP draft or draft stages read the target's checkpoint folder, every other kind `draft_checkpoint` (RULES SD3)."""
-        from registry.model import EMBEDDED_DRAFT_KINDS, NON_NEURAL_MODES
+    def _choose(self, model, sm, parallel, moe_config, speculative_config, checkpoint, checkpoint_name, mode):
+        """(the model's facts module, the declared checkpoint's name, the selection, the BuildChoice): the build
+        `load_model` loads for these arguments, chosen through the build index (nothing is built)."""
+        from contract import Layout
+        from registry.build_index import pick_build
+        from registry.model import facts_from_literal, layout_of
 
-        mode = selection.spec_mode
+        facts_module = self.facts(model)
+        name = checkpoint_name_of(facts_module, model, checkpoint, checkpoint_name)
+        facts = facts_from_literal(facts_module.FACTS[name])
+        profiles = {k: Layout(*v) for k, v in facts_module.PROFILES.items()}
+        layout = layout_of(parallel, profiles)
+        selection = selection_of(moe_config, speculative_config)
+        return facts_module, name, selection, pick_build(self.index, facts, sm, parallel, layout, selection, mode)
+
+    def check_draft(self, model, sm, parallel="tp1", moe_config=None, speculative_config=None, checkpoint_name=None,
+                    mode="auto", draft_checkpoint=None):
+        """What `load_model(checkpoint=<a folder>, ...)` with these arguments refuses of its draft's folder, checked
+        before anything is built or read (a launcher checks it before its ranks start): a draft that keeps its weights
+        in a folder of its own without `draft_checkpoint`, or a `draft_checkpoint` whose config.json describes another
+        drafter (serving.config_check.check_draft_config). Returns None when the chosen build loads a draft, else why
+        it decodes without one (then nothing reads `draft_checkpoint`)."""
+        facts_module, _, selection, chosen = self._choose(model, sm, parallel, moe_config, speculative_config, None,
+                                                          checkpoint_name, mode)
+        if selection.spec_mode is None:
+            return "no speculative_config.mode: decoded with the target alone"
+        held, why = self._held_draft(model, chosen, selection.spec_mode)
+        if held is None:
+            return why
+        if draft_checkpoint is None:
+            self._refuse_without_own_folder(held.kind, model)
+        else:
+            from serving.config_check import check_draft_config
+
+            check_draft_config(facts_module, held.module.DRAFT, draft_checkpoint)
+        return None
+
+    def _held_draft(self, model, chosen, mode):
+        """(the HeldDraft the chosen build constructs for the speculative `mode`, None), or (None, why the build decodes
+        without one)."""
+        from registry.model import NON_NEURAL_MODES
+
         if mode in NON_NEURAL_MODES:
             return None, f"speculative_config.mode {mode!r} has no neural draft: decoded with the target alone"
         if chosen.kind == "specialized":
             # The build index picked this build only because it holds the draft of this mode (RULES TG6).
             held = next(t["draft"] for t in self.index["targets"] if t["name"] == chosen.target)
-            kind, module = held["kind"], self.module(held["module"])
+            return HeldDraft(held["kind"], self.module(held["module"]), True), None
+        generic = self.index["models"][model]["generic_draft"]
+        if generic is None or mode not in generic["modes"]:
+            return None, f"the generic build of {model} constructs no draft for mode {mode!r}: decoded with the target alone"
+        return HeldDraft(generic["kind"], self.module(generic["module"]), False), None
+
+    def _refuse_without_own_folder(self, kind, model) -> None:
+        """SelectionError for a draft of `kind` loaded from a checkpoint without a folder of its own, unless it is an
+        embedded MTP draft or draft stages (they read the target's folder; RULES SD3)."""
+        from registry.errors import SelectionError
+        from registry.model import EMBEDDED_DRAFT_KINDS
+
+        if kind not in EMBEDDED_DRAFT_KINDS:
+            raise SelectionError(f"the {kind} draft of {model} keeps its weights in a folder of its own: "
+                                 "pass draft_checkpoint=DIR to load_model")
+
+    def _load_draft(self, target, model, name, sm, parallel, chosen, selection, checkpoint, draft_checkpoint, device, rank, seed, extra):
+        """(the draft build of `target` the speculative mode needs, None) or (None, why the build decodes without one):
+        an embedded MTP draft or draft stages read the target's checkpoint folder, every other kind `draft_checkpoint` (RULES SD3)."""
+        held, why = self._held_draft(model, chosen, selection.spec_mode)
+        if held is None:
+            return None, why
+        kind, module = held.kind, held.module
+        if held.specialized:
             build = functools.partial(module.DRAFT_CLASS, device=device, rank=rank, **extra)
         else:
-            generic = self.index["models"][model]["generic_draft"]
-            if generic is None or mode not in generic["modes"]:
-                return None, f"the generic build of {model} constructs no draft for mode {mode!r}: decoded with the target alone"
             # The generic draft resolves its layers at load under the draft's own selection (DR1, DR2).
-            kind, module = generic["kind"], self.module(generic["module"])
             build = functools.partial(module.DRAFT_CLASS, checkpoint=name, sm=sm, parallel=parallel, selection=selection,
                                       device=device, rank=rank, **extra)
         if draft_checkpoint is not None:
@@ -220,11 +277,7 @@ class Builds:
                                  f"num_layers={kept} keeps layers 0 to {kept - 1}: pass num_layers={max(aux) + 1} or more")
         own = draft_checkpoint
         if own is None and checkpoint is not None:
-            if kind not in EMBEDDED_DRAFT_KINDS:
-                from registry.errors import SelectionError
-
-                raise SelectionError(f"the {kind} draft of {model} keeps its weights in a folder of its own: "
-                                     "pass draft_checkpoint=DIR to load_model")
+            self._refuse_without_own_folder(kind, model)
             own = checkpoint
         if hasattr(draft, "share_with"):
             # An MTP predictor reads the target's embedding and head: the target's own modules when both come
