@@ -51,6 +51,7 @@ class ForwardJob:
     spec_mode: str | None = None     # speculative_config.mode: load the target with its draft
     draft_tokens: int = 0            # > 0: decode speculatively, the draft proposing this many per round
     num_layers: int | None = None    # build only the first this many decoder layers (a smoke run of a large checkpoint)
+    draft_checkpoint: str | None = None  # the folder of a draft that keeps its weights apart from the target's
 
 
 def forward_rank(load_model: Callable, job: ForwardJob, rank: int, device: str) -> dict:
@@ -65,6 +66,8 @@ def forward_rank(load_model: Callable, job: ForwardJob, rank: int, device: str) 
         kwargs["speculative_config"] = {"mode": job.spec_mode}
     if job.num_layers is not None:
         kwargs["num_layers"] = job.num_layers
+    if job.draft_checkpoint is not None:
+        kwargs["draft_checkpoint"] = job.draft_checkpoint
     model = build(job.model, job.sm, job.parallel, checkpoint=job.checkpoint, checkpoint_name=job.checkpoint_name,
                   device=device, mode=job.mode, rank=rank, seed=job.seed, **kwargs)
     model.eval()
@@ -186,6 +189,9 @@ def _parser(prog: str, spec_modes: Sequence[str] = ()) -> argparse.ArgumentParse
                    help="speculative_config.mode: load the target with the draft this mode needs")
     p.add_argument("--draft-tokens", type=int, metavar="K",
                    help="with --spec-mode and --generate: the draft proposes K tokens per target step (default 1)")
+    p.add_argument("--draft-checkpoint", metavar="DIR",
+                   help="with --spec-mode: the folder of a draft that keeps its weights apart from the target's "
+                        "(an external drafter, an Eagle3 head, a replacement MTP head); every rank reads it")
     p.add_argument("--num-layers", type=int, metavar="N",
                    help="build only the first N decoder layers and read only their tensors (a smoke run)")
     p.add_argument("--logits-out", help="write rank 0's logits and the run's description here (torch.save)")
@@ -202,8 +208,9 @@ def main(argv: Sequence[str] | None = None, *, load_model: Callable, describe: C
          preload: Sequence[str] = (), prog: str = "python -m generated.run", spec_modes: Sequence[str] = ()) -> int:
     """The launcher's command line; returns the exit code (0 ran, 1 a rank failed, 2 refused before starting).
 
-    `describe(model, sm, parallel, checkpoint, checkpoint_name[, spec_mode][, num_layers]) -> RunTarget` and
-    `write_tiny(model, sm, checkpoint_name, folder, seed)` come from the generated package.
+    `describe(model, sm, parallel, checkpoint, checkpoint_name[, spec_mode, moe_config, mode, draft_checkpoint]
+    [, num_layers]) -> RunTarget` and `write_tiny(model, sm, checkpoint_name, folder, seed)` come from the generated
+    package.
     """
     args = _parser(prog, spec_modes).parse_args(argv)
     torchrun = _under_torchrun()
@@ -212,10 +219,19 @@ def main(argv: Sequence[str] | None = None, *, load_model: Callable, describe: C
         print(f"{prog}: error: {message}", file=sys.stderr)
         return 2
 
+    if args.draft_checkpoint is not None:
+        # Before describe, which compares the folder's config.json with the draft's.
+        if args.spec_mode is None:
+            return refuse("--draft-checkpoint gives the folder of the draft a speculative mode loads: give --spec-mode too")
+        if not Path(args.draft_checkpoint).is_dir():
+            return refuse(f"--draft-checkpoint takes the draft's checkpoint folder; {args.draft_checkpoint} is not a folder")
+    selection = {k: v for k, v in (("backend", args.backend), ("tactic", args.tactic)) if v is not None}
     try:
         # Resolved once, here: every rank gets the same bound, --timeout over the documented variable.
         timeout_s = parallel.timeout_seconds(args.timeout)
-        spec = {} if args.spec_mode is None else {"spec_mode": args.spec_mode}
+        # Under a spec mode describe checks the draft the ranks will load (and its folder), so it is told the selection.
+        spec = {} if args.spec_mode is None else {"spec_mode": args.spec_mode, "moe_config": selection or None,
+                                                  "mode": args.mode, "draft_checkpoint": args.draft_checkpoint}
         cut = {} if args.num_layers is None else {"num_layers": args.num_layers}
         target = describe(args.model, args.sm, args.parallel, args.checkpoint, args.checkpoint_name, **spec, **cut)
     except (ValueError, LookupError, OSError) as e:
@@ -267,11 +283,10 @@ def main(argv: Sequence[str] | None = None, *, load_model: Callable, describe: C
                 write_tiny(args.model, args.sm, target.checkpoint_name, checkpoint, args.seed)
             except ValueError as e:
                 return refuse(f"cannot write a tiny checkpoint of {args.model}: {e}")
-        selection = {k: v for k, v in (("backend", args.backend), ("tactic", args.tactic)) if v is not None}
         job = ForwardJob(args.model, args.sm, args.parallel, str(checkpoint), target.checkpoint_name, tokens,
                          mode=args.mode, seed=args.seed, moe_config=selection or None, generate=args.generate,
                          spec_mode=args.spec_mode, draft_tokens=(args.draft_tokens or 1) if args.spec_mode else 0,
-                         num_layers=args.num_layers)
+                         num_layers=args.num_layers, draft_checkpoint=args.draft_checkpoint)
         if torchrun:
             rank, world = init_distributed(args.device, timeout_s)
             device = rank_device(args.device, int(os.environ.get("LOCAL_RANK", rank)))

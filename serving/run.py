@@ -34,10 +34,17 @@ class Launcher:
         except MoegenError as e:
             raise ValueError(str(e)) from None
 
-    def describe(self, model, sm, parallel, checkpoint=None, checkpoint_name=None, spec_mode=None, num_layers=None):
+    def describe(self, model, sm, parallel, checkpoint=None, checkpoint_name=None, spec_mode=None, num_layers=None,
+                 moe_config=None, mode="auto", draft_checkpoint=None):
         """The run's target name and layout numbers, refused (ValueError) before any rank starts when unknown
         (or when the model has no draft for `spec_mode`, or the checkpoint's config.json describes another model
-        in the `num_layers` decoder layers the run keeps)."""
+        in the `num_layers` decoder layers the run keeps).
+
+        Under a `spec_mode`, the draft that `load_model(..., moe_config, mode)` builds is checked as the ranks'
+        load_model would check it (`Builds.check_draft`; the run reads a folder, `checkpoint` or the one --tiny
+        writes): refused when it keeps its weights in a folder of its own and `draft_checkpoint` is None, or when
+        `draft_checkpoint`'s config.json describes another drafter; a `draft_checkpoint` no draft would read is
+        refused too."""
         from registry.errors import MoegenError
         from registry.model import facts_from_literal, layout_of
         from registry.model_resolve import resolve_model
@@ -54,6 +61,14 @@ class Launcher:
         layers = self.builds.target_layers(model)
         if checkpoint is not None:
             check_config(facts, checkpoint, layers, num_layers)
+        if spec_mode is not None:
+            try:
+                unread = self.builds.check_draft(model, sm, parallel, moe_config=moe_config, speculative_config={"mode": spec_mode},
+                                                 checkpoint_name=name, mode=mode, draft_checkpoint=draft_checkpoint)
+            except MoegenError as e:
+                raise ValueError(str(e)) from None
+            if unread is not None and draft_checkpoint is not None:
+                raise ValueError(f"--draft-checkpoint gives a draft's folder, but this run loads no draft: {unread}")
         return launch.RunTarget(
             name=f"{name}__sm_{sm}__{parallel}", parallel=parallel, layout=layout,
             vocab_size=facts.CONFIG["vocab_size"], checkpoint_name=name, num_layers=layers,
