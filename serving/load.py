@@ -247,8 +247,8 @@ class Builds:
         from registry.model import EMBEDDED_DRAFT_KINDS
 
         if kind not in EMBEDDED_DRAFT_KINDS:
-            raise SelectionError(f"the {kind} draft of {model} keeps its weights in a folder of its own: "
-                                 "pass draft_checkpoint=DIR to load_model")
+            raise SelectionError(f"the {kind} draft of {model} keeps its weights in a folder of its own: pass "
+                                 f"draft_checkpoint=DIR to load_model (--draft-checkpoint DIR to python -m {self.package}.run)")
 
     def _load_draft(self, target, model, name, sm, parallel, chosen, selection, checkpoint, draft_checkpoint, device, rank, seed, extra):
         """(the draft build of `target` the speculative mode needs, None) or (None, why the build decodes without one):

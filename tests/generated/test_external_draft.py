@@ -90,4 +90,4 @@ def test_a_draft_that_keeps_its_own_folder_is_not_read_from_the_targets(tmp_path
         generated.load_model("tiny_kimi_k3", 90, checkpoint=str(tmp_path), checkpoint_name="tiny_kimi_k3_mxfp4",
                              speculative_config={"mode": "draft_target"}, dtype=torch.float32)
     assert str(caught.value) == ("the external draft of tiny_kimi_k3 keeps its weights in a folder of its own: "
-                                 "pass draft_checkpoint=DIR to load_model")
+                                 "pass draft_checkpoint=DIR to load_model (--draft-checkpoint DIR to python -m generated.run)")
