@@ -1,10 +1,16 @@
 """The generated external drafter (`draft.py` of tiny_kimi_k3's sm_90 target, a Qwen3-MoE drafter) is its own family's build, bound to the draft selection, behind the draft interface; a drafter whose vocabulary differs from the target's is refused when its declaration loads.
 
+`python -m generated.run --spec-mode draft_target --draft-checkpoint DIR` decodes with the drafter's folder, and
+refuses a folder it cannot use (or a missing one the draft needs) before any rank starts.
+
 Oracle: transformers' Qwen3-MoE model of the drafter's config, saved by transformers with random weights and
 run in float64. The draft runs in fp32 with its bound TORCH experts, which round their GEMM inputs to bf16:
 relative L2 error of the logits <= 1e-2 (two layers deep; observed ~2e-3).
 """
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -91,3 +97,108 @@ def test_a_draft_that_keeps_its_own_folder_is_not_read_from_the_targets(tmp_path
                              speculative_config={"mode": "draft_target"}, dtype=torch.float32)
     assert str(caught.value) == ("the external draft of tiny_kimi_k3 keeps its weights in a folder of its own: "
                                  "pass draft_checkpoint=DIR to load_model (--draft-checkpoint DIR to python -m generated.run)")
+
+
+# -- the launcher: `python -m generated.run --spec-mode draft_target --draft-checkpoint DIR` ---------------------------
+
+DRAFTER = "tiny_kimi_k3_drafter"
+LAUNCH = ["--model", "tiny_kimi_k3", "--sm", "90", "--tokens", "5,6,7", "--generate", "8"]
+
+
+def _drafter_folder(folder, **overrides):
+    """The declared drafter's seeded random tensors (its own one-rank build's names), beside its declared config
+    (with `overrides`) as config.json."""
+    from families import FAMILIES
+    from runtime.checkpoint.writer import random_tensors, save_checkpoint
+
+    module = builds.load(f"generated.tiny_kimi_k3.{TARGET}.draft")
+    tensors = random_tensors(module.DRAFT_CLASS(device="meta"), FAMILIES[module.FAMILY].experts_storage, 1)
+    return save_checkpoint(tensors, folder, builds.facts("tiny_kimi_k3").DRAFT_CONFIGS[DRAFTER] | overrides)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """(the target's tiny checkpoint, the declared drafter's folder)."""
+    from generated import run
+
+    root = tmp_path_factory.mktemp("launcher-drafter")
+    target = run.write_tiny("tiny_kimi_k3", 90, "tiny_kimi_k3_mxfp4", root / "target", seed=0)
+    return Path(target), Path(_drafter_folder(root / "drafter"))
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    """Any rank the launcher starts fails the test: a refusal must come before any rank starts."""
+    from runtime import launch
+
+    def started(*args, **kwargs):
+        raise AssertionError("a rank started")
+
+    monkeypatch.setattr(launch, "launch", started)
+
+
+def test_the_launcher_decodes_with_the_drafter_folder_it_is_given(folders, capsys):
+    from generated import run
+
+    target, drafter = folders
+    assert run.main([*LAUNCH, "--checkpoint", str(target)]) == 0
+    plain = capsys.readouterr().out.strip().splitlines()
+    code = run.main([*LAUNCH, "--checkpoint", str(target), "--spec-mode", "draft_target", "--draft-tokens", "3",
+                     "--draft-checkpoint", str(drafter)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.strip().splitlines()
+    assert lines[0] == f"{TARGET}: generated.tiny_kimi_k3.{TARGET}.modeling on 1 rank (gloo, cpu)"
+    assert re.fullmatch(r"row 0 \(3 tokens\) generated: " + ", ".join([r"\d+"] * 8), lines[1]), out
+    stats = re.fullmatch(r"speculative: (\d+) target steps, (\d+) proposed, (\d+) accepted \([\d.]+%\), "
+                         r"acceptance length [\d.]+, \d+ near-tie tokens", lines[3])
+    assert stats, out
+    rounds, proposed, accepted = int(stats[1]), int(stats[2]), int(stats[3])
+    assert proposed == 3 * rounds and 1 + rounds + accepted >= 8
+    # Greedy speculative decoding keeps the target's own greedy tokens (RULES SD1).
+    assert lines[1] == plain[1]
+
+
+def test_the_launcher_refuses_a_drafter_folder_of_another_model_before_any_rank_starts(folders, tmp_path, capsys, no_ranks):
+    from generated import run
+
+    target, _ = folders
+    drafter = _drafter_folder(tmp_path / "drafter", rope_theta=500000.0)
+    code = run.main([*LAUNCH, "--checkpoint", str(target), "--spec-mode", "draft_target", "--draft-checkpoint", str(drafter)])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"python -m generated.run: error: {drafter}/config.json describes another model than the draft {DRAFTER} of "
+        "tiny_kimi_k3: config.rope_theta is 500000.0 in the checkpoint, 1000000.0 in the build. Loaded, it would compute "
+        "another model's logits: pass a checkpoint of the declared drafter as draft_checkpoint, or declare this folder's "
+        f"config as the config of tiny_kimi_k3's [[drafts]] entry {DRAFTER} and generate its builds")
+
+
+@pytest.mark.parametrize("case", ["no spec mode", "no folder", "a file", "no draft: ngram", "no draft: generic build",
+                                  "external, none given", "eagle3, none given"])
+def test_the_launcher_refuses_a_draft_folder_it_cannot_use_before_any_rank_starts(folders, tmp_path, capsys, no_ranks, case):
+    from generated import run
+
+    target, drafter = folders
+    run_target = [*LAUNCH, "--checkpoint", str(target)]
+    spec = ["--spec-mode", "draft_target"]
+    own = "keeps its weights in a folder of its own: pass draft_checkpoint=DIR to load_model (--draft-checkpoint DIR to python -m generated.run)"
+    args, message = {
+        "no spec mode": ([*run_target, "--draft-checkpoint", str(drafter)],
+                         "--draft-checkpoint gives the folder of the draft a speculative mode loads: give --spec-mode too"),
+        "no folder": ([*run_target, *spec, "--draft-checkpoint", str(tmp_path / "missing")],
+                      f"--draft-checkpoint takes the draft's checkpoint folder; {tmp_path / 'missing'} is not a folder"),
+        "a file": ([*run_target, *spec, "--draft-checkpoint", str(drafter / "config.json")],
+                   f"--draft-checkpoint takes the draft's checkpoint folder; {drafter / 'config.json'} is not a folder"),
+        "no draft: ngram": ([*run_target, "--spec-mode", "ngram", "--draft-checkpoint", str(drafter)],
+                            "--draft-checkpoint gives a draft's folder, but this run loads no draft: "
+                            "speculative_config.mode 'ngram' has no neural draft: decoded with the target alone"),
+        # sm_100 has no target with the drafter: the generic build serves, and it constructs no external drafter.
+        "no draft: generic build": ([*run_target, "--sm", "100", *spec, "--draft-checkpoint", str(drafter)],
+                                    "--draft-checkpoint gives a draft's folder, but this run loads no draft: the generic "
+                                    "build of tiny_kimi_k3 constructs no draft for mode 'draft_target': decoded with the target alone"),
+        "external, none given": ([*run_target, *spec], f"the external draft of tiny_kimi_k3 {own}"),
+        "eagle3, none given": (["--model", "tiny_qwen3_moe", "--sm", "120", "--tiny", "--generate", "4", "--spec-mode", "eagle3"],
+                               f"the eagle3 draft of tiny_qwen3_moe {own}"),
+    }[case]
+    assert run.main(args) == 2
+    assert capsys.readouterr().err.strip() == f"python -m generated.run: error: {message}"
