@@ -43,8 +43,8 @@ def check_draft_config(facts_module, draft: str, folder) -> None:
         return
     config, model = facts_module.DRAFT_CONFIGS[draft], facts_module.MODEL
     subject = f"the draft {draft} of {model}"
-    advice = ("pass a checkpoint of the declared drafter as draft_checkpoint, or declare this folder's config as the config "
-              f"of {model}'s [[drafts]] entry {draft} and generate its builds")
+    advice = ("pass a checkpoint of the declared drafter (draft_checkpoint=DIR, --draft-checkpoint DIR), or declare this "
+              f"folder's config as the config of {model}'s [[drafts]] entry {draft} and generate its builds")
     # A draft builds every decoder layer its config declares.
     _compare(folder, family, config, config["num_hidden_layers"], like=subject, than=subject, advice=advice)
 

@@ -129,8 +129,8 @@ def test_a_checkpoint_of_a_deeper_model_is_refused():
 # -- an external drafter's own folder (`draft_checkpoint=`), compared with the drafter's declared config -------------
 
 DRAFTER = "tiny_kimi_k3_drafter"
-DRAFT_ADVICE = ("pass a checkpoint of the declared drafter as draft_checkpoint, or declare this folder's config as the config "
-                f"of tiny_kimi_k3's [[drafts]] entry {DRAFTER} and generate its builds")
+DRAFT_ADVICE = ("pass a checkpoint of the declared drafter (draft_checkpoint=DIR, --draft-checkpoint DIR), or declare this "
+                f"folder's config as the config of tiny_kimi_k3's [[drafts]] entry {DRAFTER} and generate its builds")
 
 
 @pytest.fixture(scope="module")

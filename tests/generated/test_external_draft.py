@@ -169,7 +169,8 @@ def test_the_launcher_refuses_a_drafter_folder_of_another_model_before_any_rank_
     assert capsys.readouterr().err.strip() == (
         f"python -m generated.run: error: {drafter}/config.json describes another model than the draft {DRAFTER} of "
         "tiny_kimi_k3: config.rope_theta is 500000.0 in the checkpoint, 1000000.0 in the build. Loaded, it would compute "
-        "another model's logits: pass a checkpoint of the declared drafter as draft_checkpoint, or declare this folder's "
+        "another model's logits: pass a checkpoint of the declared drafter (draft_checkpoint=DIR, --draft-checkpoint DIR), "
+        "or declare this folder's "
         f"config as the config of tiny_kimi_k3's [[drafts]] entry {DRAFTER} and generate its builds")
 
 
