@@ -83,6 +83,12 @@ TRITON_SWEEP = {
         # Triton kernel): Triton lowers BM < 64 to mma.sync; no spills with Triton 3.9 offline (ptxas, sm_90a)
         ((16, 128, 128, 4, 4, 8), (16, 128, 128, 4, 4, 8)),
         ((32, 128, 128, 8, 3, 8), (32, 128, 128, 4, 4, 8)),
+        # the warp-specialized Gluon kernels (an eighth element True: runtime/kernels/gluon_fp8.py; a TMA warp and an
+        # MMA warpgroup each 64 token rows, promoting apart), w2 blocks of 128 and 256 columns
+        ((128, 128, 128, 8, 4, 8, False, True), (128, 128, 128, 8, 4, 8, False, True)),
+        ((128, 128, 128, 8, 3, 8, False, True), (128, 256, 128, 8, 3, 8, False, True)),
+        ((64, 128, 128, 4, 4, 8, False, True), (64, 128, 128, 4, 4, 8, False, True)),
+        ((128, 128, 128, 8, 4, 8, False, True), (128, 128, 128, 8, 3, 8)),
     ],
     "bf16": [
         ((128, 128, 64, 8, 3, 8), (128, 256, 64, 8, 3, 8)),

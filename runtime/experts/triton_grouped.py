@@ -10,9 +10,10 @@ layouts as the CUPY class of the format (weights stay packed: FP8 codes and bloc
 decoded to bf16 in the GEMMs' registers).
 
 Per prefill call, with no host synchronization (CUDA-graph capturable): `moe_align` (tiles of BM
-rows of one expert), FP8 only: `quant_fp8_rows` of the tokens (1x128 groups), `gemm1` (token rows
-gathered in its loads, bias, activation, bf16 rounding and, for FP8, the 1x128 quantization of the
-intermediate in its epilogue), `gemm2` (bf16 rows), `moe_combine` (down bias, weights, fp32 sum).
+rows of one expert), FP8 only: `quant_fp8_rows` of the tokens (1x128 groups; for the warp-specialized
+Gluon GEMMs, which load rows by TMA, `gather_rows` then puts each pair's row in sorted order), `gemm1`
+(token rows gathered in its loads, bias, activation, bf16 rounding and, for FP8, the 1x128 quantization
+of the intermediate in its epilogue), `gemm2` (bf16 rows), `moe_combine` (down bias, weights, fp32 sum).
 Triton is imported on the first prefill call only.
 """
 from __future__ import annotations
@@ -83,6 +84,12 @@ class _TritonGroupedExperts:
             as1 = self._empty((tokens, hsize // 128), torch.float32, device, poison)
             kern.launch("quant_fp8_rows", (tokens,), (128,),
                         (_p(x), _p(None), _p(codes), _p(as1), _i(hsize), _i(K.AQ[self.FORMAT])), stream)
+            if T.reads_sorted_rows(fmt, cfg1):
+                # gluon_fp8 loads its token rows by TMA, which cannot gather: each pair's row in sorted order
+                rows = self._empty((pairs, hsize), torch.uint8, device, poison)
+                kern.launch("gather_rows", (pairs,), (128,),
+                            (_p(codes), _p(sorted_pair), total_ptr, _p(rows), _i(hsize // 2), _i(top_k)), stream)
+                codes = rows
             a1 = codes.view(torch.float8_e4m3fn)
             h = self._empty((pairs, inter), torch.uint8, device, poison).view(torch.float8_e4m3fn)
             hs = self._empty((pairs, inter // 128), torch.float32, device, poison)
@@ -116,10 +123,15 @@ class TritonWgmmaFp8BlockScalesExperts(_TritonGroupedExperts, CupyMmaFp8BlockSca
                "for decode. " + _TritonGroupedExperts.__doc__)
     IMPL_ID = "triton.wgmma.grouped_gemm.fp8_block_scales"
     # From 2 rows (64 tokens of the D shape: 6 % less time than CUPY; Q at 256 tokens, 16 rows: 32 % less,
-    # 2026-12-01); up to 16 rows a 16-row tile (mma.sync, 4 warps), then the 64-row wgmma tile.
+    # 2026-12-01); up to 16 rows a 16-row tile (mma.sync, 4 warps), then the 64-row wgmma tile. Above 256 rows the
+    # warp-specialized Gluon kernels (the eighth element: runtime/kernels/gluon_fp8.py, 128 token rows, two MMA
+    # warpgroups): the same bits, 11 % less time at Q 8192 (512 rows; H100, 2026-12-06, BENCHMARKS.md). Its 64-row
+    # tile (one MMA warpgroup) was 35 % slower there, w2 blocks of 256 columns 3 % (they spill); 64-256 rows were
+    # not timed with it.
     TRITON_MIN_ROWS = 2
     CONFIGS = ((16, ((16, 128, 128, 4, 4, 8), (16, 128, 128, 4, 4, 8))),
-               (1e9, ((64, 128, 128, 8, 3, 8), (64, 128, 128, 4, 4, 8))))
+               (256, ((64, 128, 128, 8, 3, 8), (64, 128, 128, 4, 4, 8))),
+               (1e9, ((128, 128, 128, 8, 4, 8, False, True), (128, 128, 128, 8, 4, 8, False, True))))
 
 
 class TritonWgmmaW4a16Mxfp4Experts(_TritonGroupedExperts, CupyMmaW4a16Mxfp4Experts):

@@ -269,12 +269,21 @@ def _config(cfg) -> tuple:
 
 
 def _overlap_cfg(fmt, bm, bn, bk, warps, stages, group_m, packed):
-    """The gluon_w4 configuration (BM, BN, STAGES, GROUP_M) of an overlapped MXFP4 GEMM: 64-element K steps on two
-    warpgroups with the packed decode, the only ones it has."""
-    if fmt != "w4a16_mxfp4" or bk != 64 or warps != 8 or not packed:
-        raise ValueError(f"the overlapped GEMMs are MXFP4 with BK 64, 8 warps and the packed decode, got {fmt} "
-                         f"{(bm, bn, bk, warps, stages, group_m, packed)}")
-    return bm, bn, stages, group_m
+    """The Gluon configuration of an overlapped GEMM: gluon_w4's (BM, BN, STAGES, GROUP_M) for MXFP4 (64-element K
+    steps on two warpgroups, the packed decode), gluon_fp8's (BM, BN, STAGES, GROUP_M) for FP8 (an MMA warpgroup
+    each 64 token rows, a K step one scale block)."""
+    if fmt == "w4a16_mxfp4" and bk == 64 and warps == 8 and packed:
+        return bm, bn, stages, group_m
+    if fmt == "fp8_block_scales" and bk == 128 and warps == 4 * (bm // 64) and not packed:
+        return bm, bn, stages, group_m
+    raise ValueError(f"the overlapped GEMMs are MXFP4 with BK 64, 8 warps and the packed decode, or FP8 with BK 128 "
+                     f"and 4 warps each 64 token rows, got {fmt} {(bm, bn, bk, warps, stages, group_m, packed)}")
+
+
+def reads_sorted_rows(fmt, cfg) -> bool:
+    """Whether gemm1 of `cfg` takes the token rows already gathered into sorted order (gluon_fp8 loads them by TMA,
+    which cannot gather) instead of gathering them itself."""
+    return fmt == "fp8_block_scales" and _config(cfg)[7]
 
 
 def launch_gemm1(x, xs, w, ws, bias, sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs, *, hidden,
@@ -282,8 +291,18 @@ def launch_gemm1(x, xs, w, ws, bias, sorted_pair, offs, tile_expert, tile_row, n
     """GEMM1 over w13 [n, N1, H] (gate/up interleaved) of weight format `fmt` (bf16, fp8_block_scales or
     w4a16_mxfp4; ws: its block scales); cfg = (BM, BN of h, BK, warps, stages[, GROUP_M[, packed[, overlap]]])
     (packed: the MXFP4 decode in bf16x2 pairs, `_fp4_pair_packed`; overlap: the gluon_w4 kernel, whose decode of a
-    K step overlaps the previous step's wgmma)."""
+    K step overlaps the previous step's wgmma, or for FP8 gluon_fp8's, whose x holds the token rows already in
+    sorted order: `reads_sorted_rows`)."""
     bm, bn, bk, warps, stages, group_m, packed, overlap = _config(cfg)
+    if overlap and fmt == "fp8_block_scales":
+        from . import gluon_fp8
+
+        bm, bn, stages, group_m = _overlap_cfg(fmt, bm, bn, bk, warps, stages, group_m, packed)
+        if bn != 128:
+            raise ValueError(f"FP8 gemm1 needs BN = 128 (one activation group), got {cfg}")
+        return gluon_fp8.launch_gemm1(x, xs, w, ws, bias, sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs,
+                                      hidden=hidden, inter=inter, top_k=top_k, max_tiles=max_tiles, alpha=alpha,
+                                      limit=limit, gated=gated, act=act, cfg=(bm, stages, group_m))
     if overlap:
         from . import gluon_w4
 
@@ -308,6 +327,12 @@ def launch_gemm2(h, hs, w, ws, offs, tile_expert, tile_row, num_tiles, y, *, hid
     """GEMM2 over w2 [n, H, I] of weight format `fmt` into bf16 rows y [pairs, H] (ws: its block scales);
     cfg = (BM, BN, BK, warps, stages[, GROUP_M[, packed[, overlap]]]), as gemm1's."""
     bm, bn, bk, warps, stages, group_m, packed, overlap = _config(cfg)
+    if overlap and fmt == "fp8_block_scales":
+        from . import gluon_fp8
+
+        return gluon_fp8.launch_gemm2(h, hs, w, ws, offs, tile_expert, tile_row, num_tiles, y, hidden=hidden,
+                                      inter=inter, max_tiles=max_tiles,
+                                      cfg=_overlap_cfg(fmt, bm, bn, bk, warps, stages, group_m, packed))
     if overlap:
         from . import gluon_w4
 

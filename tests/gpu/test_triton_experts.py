@@ -55,7 +55,29 @@ def _configs(cls):
         # and its 64-row tile with 4 stages (two CTAs an SM)
         configs += [tuple(c + (True,) for c in cfg) for cfg in configs if all(len(c) == 7 and c[3] == 8 for c in cfg)]
         configs += [((64, 64, 64, 8, 4, 8, True, True), (64, 128, 64, 8, 4, 8, True, True))]
+    if cls.FORMAT == "fp8_block_scales":
+        configs = [FP8_TRITON] + configs + list(FP8_OVERLAP)
     return list(dict.fromkeys(configs))
+
+
+# the warp-specialized FP8 kernels (runtime/kernels/gluon_fp8.py): 128 token rows (two MMA warpgroups) with w2 blocks
+# of 128 and 256 columns, and 64 (one): the same products, promotion and epilogue in the same K order as the Triton
+# wgmma tile the plan runs up to 256 rows an expert, so the same bits
+FP8_TRITON = ((64, 128, 128, 8, 3, 8), (64, 128, 128, 4, 4, 8))
+FP8_OVERLAP = (((128, 128, 128, 8, 4, 8, False, True), (128, 128, 128, 8, 4, 8, False, True)),
+               ((128, 128, 128, 8, 3, 8, False, True), (128, 256, 128, 8, 3, 8, False, True)),
+               ((64, 128, 128, 4, 4, 8, False, True), (64, 128, 128, 4, 4, 8, False, True)))
+
+
+def _same_bits_as(cls, cfg, outs):
+    """The configuration already run whose output `cfg` must equal bit for bit, or None."""
+    if cfg in FP8_OVERLAP:
+        return FP8_TRITON
+    for cut in (7, 6):
+        same = tuple(c[:cut] for c in cfg)
+        if same != cfg and same in outs:
+            return same
+    return None
 
 
 def _module(cls, spec, tensors, parallel=ExpertParallel()):
@@ -90,13 +112,11 @@ def test_triton_path_matches_vanilla(cls, activation):
             out = outs[cfg] = module(hidden.cuda(), ids.cuda(), weights.cuda(), path="triton", tile=cfg)
             torch.cuda.synchronize()
             assert out.dtype == torch.bfloat16 and not out.isnan().any(), (tokens, cfg)
-            for cut in (7, 6):
-                same = tuple(c[:cut] for c in cfg)
-                if same != cfg and same in outs:
-                    # both decodes are exact and the overlapped kernel runs the same products in the same
-                    # order: the same bf16 weights, the same bits as the configuration it extends
-                    assert torch.equal(out, outs[same]), (tokens, cfg, same)
-                    break
+            same = _same_bits_as(cls, cfg, outs)
+            if same is not None:
+                # both MXFP4 decodes are exact, and the overlapped kernels run the same products, promotions and
+                # epilogues in the same order as the configuration they extend (or, for FP8, the planned one)
+                assert torch.equal(out, outs[same]), (tokens, cfg, same, (out.float() - outs[same].float()).abs().max())
             try:
                 assert_rel_close(out.cpu(), expected, *_tolerance(cls.FORMAT))
             except AssertionError as err:
@@ -169,17 +189,22 @@ def test_ep_ranks_and_tp_shards_sum_to_the_whole(cls):
     ids, weights = random_routing(90, spec, seed=52)
     hidden = random_hidden(90, spec, seed=53).cuda()
     ids, weights = ids.cuda(), weights.cuda()
-    whole = _module(cls, spec, tensors)(hidden, ids, weights, path="triton").float()
-    for parallels in ([ExpertParallel(ep_size=2, ep_rank=r) for r in range(2)],
-                      [ExpertParallel(moe_tp_size=2, moe_tp_rank=r) for r in range(2)]):
-        total = sum(_module(cls, spec, tensors, p)(hidden, ids, weights, path="triton").float() for p in parallels)
-        fp8_tp = cls.FORMAT == "fp8_block_scales" and parallels[0].moe_tp_size > 1
-        assert_rel_close(total.cpu(), whole.cpu(), 4e-2 if fp8_tp else 1e-2, 8e-2)
+    # FP8: the planned tile and the warp-specialized one (the TP shards' intermediate of 128 channels is one
+    # K step, an odd count)
+    for tile in [None] + (list(FP8_OVERLAP[:1]) if cls.FORMAT == "fp8_block_scales" else []):
+        whole = _module(cls, spec, tensors)(hidden, ids, weights, path="triton", tile=tile).float()
+        for parallels in ([ExpertParallel(ep_size=2, ep_rank=r) for r in range(2)],
+                          [ExpertParallel(moe_tp_size=2, moe_tp_rank=r) for r in range(2)]):
+            total = sum(_module(cls, spec, tensors, p)(hidden, ids, weights, path="triton", tile=tile).float()
+                        for p in parallels)
+            fp8_tp = cls.FORMAT == "fp8_block_scales" and parallels[0].moe_tp_size > 1
+            assert_rel_close(total.cpu(), whole.cpu(), 4e-2 if fp8_tp else 1e-2, 8e-2)
 
 
+@pytest.mark.parametrize("tile", [None, FP8_OVERLAP[0]], ids=["planned", "warp-specialized"])
 @pytest.mark.parametrize("tokens", [64, 300, 1100])   # 1100 x top-2: the multi-CTA routing sort
-def test_cuda_graph_capture_and_replay(tokens):
+def test_cuda_graph_capture_and_replay(tokens, tile):
     cls = TritonWgmmaFp8BlockScalesExperts
     spec = MoeShape(384, 256, 8, 2, "swiglu_oai", expert_bias=True)
     module = _module(cls, spec, make_expert_tensors(spec, cls.FORMAT, seed=41, weight_std=3.0))
-    assert_graph_replay_matches_eager(module, spec, tokens, path="triton")
+    assert_graph_replay_matches_eager(module, spec, tokens, path="triton", tile=tile)

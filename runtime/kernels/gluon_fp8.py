@@ -1,0 +1,312 @@
+"""Gluon grouped GEMMs of the FP8 TRITON experts: a TMA load warp feeds one wgmma warpgroup per 64 token rows.
+
+With 128x128 weight-block scales and 1x128 activation scales, each 128-element K block's product is scaled
+and added to the fp32 accumulator on its own (DeepSeek's recipe). The Triton kernels (triton_grouped.py)
+run both warpgroups in step: wait for the block's wgmma, only then load its scales (a gathered global load
+and a layout conversion through shared memory), promote, meet at a barrier; the tensor cores idle through
+the load latency and the promotion of every block (0.39 of the FP8 peak inside the GEMMs, BENCHMARKS.md).
+Here the kernel is warp-specialized: one warp only issues TMA loads into a ring of STAGES slots (full/empty
+mbarriers), and each MMA warpgroup is a partition of its own, so the two of a 128-row tile never meet inside
+the K loop and one promotes while the other's wgmma runs. Each multiplies the weight block 64 columns at a
+time (a product of 32 registers a thread beside the block's 128 of accumulators), so ptxas overlaps the
+promotion of one part with the next part's wgmma; scales are loaded a step ahead. Token rows come by TMA
+too, so gemm1 reads its rows already in sorted order (the caller gathers the FP8 codes first; their scales
+are still read through the routing).
+
+Tiles: 128 token rows (two MMA warpgroups sharing the weight block) or 64 (one); gemm1's block is 128
+channels (gate and up interleaved by 8: 256 w13 rows), the 1x128 quantization group of its FP8 output,
+gemm2's 128 or 256 output columns. Same products in the same K order, promotion expression, activation
+and quantization as triton_grouped's FP8 path.
+"""
+from __future__ import annotations
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
+    warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.runtime.jit import constexpr_function
+
+from .triton_grouped import _activate, _program, _tile
+
+BK = gl.constexpr(128)   # a K step is one scale block
+NW = gl.constexpr(64)    # columns of one product: four products cover 256 weight rows, two 128
+WARPS = 4   # a warpgroup for each 64 token rows of a tile; one more warp loads
+
+
+@constexpr_function
+def _acc_layout(n):
+    """A product [64, n] of one warpgroup."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 32])
+
+
+@gluon.jit
+def _loads(x_desc, w_desc, x_smem, w_smem, full, empty, x_row0, w_row0, steps, STAGES: gl.constexpr):
+    """The load warp: K step k's token rows and weight rows into slot k % STAGES once the MMA warpgroups freed it."""
+    for k in range(steps):
+        slot = k % STAGES
+        mbarrier.wait(empty.index(slot), ((k // STAGES) & 1) ^ 1)   # the first round finds every slot free
+        mbarrier.expect(full.index(slot), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(x_desc, [x_row0, k * BK], full.index(slot), x_smem.index(slot))
+        tma.async_copy_global_to_shared(w_desc, [w_row0, k * BK], full.index(slot), w_smem.index(slot))
+
+
+@gluon.jit
+def _scales(xs_ptrs, p00, p01, p10, p11, k, steps):
+    """K step k's scales (clamped to the last step): of each token row, and of the weight blocks of each half's
+    two column planes."""
+    kc = gl.minimum(k, steps - 1)
+    return gl.load(xs_ptrs + kc), gl.load(p00 + kc), gl.load(p01 + kc), gl.load(p10 + kc), gl.load(p11 + kc)
+
+
+@gluon.jit
+def _part(a, w, q: gl.constexpr, t, acc, xs, s0, s1, plane):
+    """acc + (the product of weight columns q * NW.. with the warpgroup's rows) x its scales."""
+    t = warpgroup_mma(a, w.slice(q * NW, NW).permute((1, 0)), t, use_acc=False, is_async=True)
+    t = warpgroup_mma_wait(0, deps=(t,))
+    return t, acc + t * (xs[:, None] * gl.where(plane == 1, s1, s0)[None, :])
+
+
+@gluon.jit
+def _k_loop(x_smem, w_smem, full, empty, ROW0: gl.constexpr, xs_ptrs, p00, p01, p10, p11, plane, steps,
+            PARTS: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup's 64 token rows (from ROW0 of the tile) times the weight block, NW columns at a time (PARTS
+    of them, 2 or 4): per K step each part's product (use_acc off) promoted into its accumulator. The first half
+    of the parts takes the scales (p00, p01) of its column planes (`plane` 0 or 1), the second half (p10, p11)."""
+    acc_layout: gl.constexpr = _acc_layout(NW)
+    acc0 = gl.zeros([64, NW], gl.float32, acc_layout)
+    acc1 = gl.zeros([64, NW], gl.float32, acc_layout)
+    acc2 = gl.zeros([64, NW], gl.float32, acc_layout)
+    acc3 = gl.zeros([64, NW], gl.float32, acc_layout)
+    t = gl.zeros([64, NW], gl.float32, acc_layout)   # its value is never read (use_acc off): registers to reuse
+    xs, s00, s01, s10, s11 = _scales(xs_ptrs, p00, p01, p10, p11, 0, steps)
+    for k in range(steps):
+        slot = k % STAGES
+        nxt = _scales(xs_ptrs, p00, p01, p10, p11, k + 1, steps)
+        mbarrier.wait(full.index(slot), (k // STAGES) & 1)
+        a = x_smem.index(slot).slice(ROW0, 64)
+        w = w_smem.index(slot)
+        if PARTS == 2:
+            t, acc0 = _part(a, w, 0, t, acc0, xs, s00, s01, plane)
+            t, acc1 = _part(a, w, 1, t, acc1, xs, s10, s11, plane)
+        else:
+            t, acc0 = _part(a, w, 0, t, acc0, xs, s00, s01, plane)
+            t, acc1 = _part(a, w, 1, t, acc1, xs, s00, s01, plane)
+            t, acc2 = _part(a, w, 2, t, acc2, xs, s10, s11, plane)
+            t, acc3 = _part(a, w, 3, t, acc3, xs, s10, s11, plane)
+        # the slot's last product is done: it may take another K step
+        mbarrier.arrive(empty.index(slot))
+        xs, s00, s01, s10, s11 = nxt
+    return acc0, acc1, acc2, acc3
+
+
+@gluon.jit
+def _rings(x_desc, w_desc, STAGES: gl.constexpr):
+    """The shared-memory rings of token and weight blocks and their full/empty barriers (each MMA warpgroup, one a
+    64 token rows, frees a slot)."""
+    x_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(full.index(s), count=1)
+        mbarrier.init(empty.index(s), count=x_desc.block_type.shape[0] // 64)
+    fence_async_shared()
+    return x_smem, w_smem, full, empty
+
+
+@gluon.jit
+def _act(acc, bias_ptr, HAS_BIAS: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, alpha, limit):
+    """The intermediate [64, C] of an accumulator part (C channels: 2C w13 rows interleaved by 8 when gated,
+    layouts.interleave_gate_up), bias (its w13 rows at bias_ptr) added, rounded to bf16 as every path does."""
+    if HAS_BIAS:
+        col = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
+        acc += gl.load(bias_ptr + col)[None, :]
+    if GATED:
+        C: gl.constexpr = acc.shape[1] // 2
+        g, u = gl.split(gl.permute(gl.reshape(acc, [64, C // 8, 2, 8]), [0, 1, 3, 2]))
+        g = gl.reshape(g, [64, C])
+        u = gl.reshape(u, [64, C])
+    else:
+        g = acc
+        u = acc
+    return _activate(g, u, ACT, alpha, limit).to(gl.bfloat16).to(gl.float32)
+
+
+@constexpr_function
+def _row_layout(columns, vec, warps):
+    """Threads along a row of `columns` elements `vec` at a time, the rest of the warp and the warps down the rows."""
+    across = min(columns // vec, 32)
+    return gl.BlockedLayout([1, vec], [32 // across, across], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def _store(out_ptr, vals, rows, rmask, col0, width, VEC: gl.constexpr):
+    """vals [64, C] into out [*, width] at `rows` (masked: rmask, columns past width), columns col0.."""
+    layout: gl.constexpr = _row_layout(vals.shape[1], VEC, gl.num_warps())
+    v = gl.convert_layout(vals, layout)
+    orows = gl.convert_layout(rows, gl.SliceLayout(1, layout)).to(gl.int64)
+    omask = gl.convert_layout(rmask, gl.SliceLayout(1, layout))
+    cols = col0 + gl.arange(0, v.shape[1], layout=gl.SliceLayout(0, layout))
+    gl.store(out_ptr + orows[:, None] * width + cols[None, :], v, mask=omask[:, None] & (cols < width)[None, :])
+
+
+@gluon.jit
+def _quant_store(h_ptr, hf, scale, rows, rmask, col0, INTER):
+    """hf / scale per row, clamped to the E4M3 range, as FP8 into h (as triton_grouped.gemm1 quantizes)."""
+    q = gl.minimum(gl.maximum(gl.div_rn(hf, scale[:, None]), -448.0), 448.0).to(gl.float8e4nv)
+    _store(h_ptr, q, rows, rmask, col0, INTER, 16)
+
+
+@gluon.jit
+def _gemm1_rows(ROW0: gl.constexpr, x_smem, w_smem, full, empty, pid_m, pid_n, xs_ptr, ws_ptr, bias_ptr,
+                sorted_pair_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, h_ptr, hs_ptr, H, INTER, TOP_K, alpha,
+                limit, GATED: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup's part of gemm1: rows ROW0.. of the tile, the whole 128-channel block, epilogue included."""
+    N: gl.constexpr = w_smem.shape[1]   # w13 rows: 128 channels, times 2 when gated
+    acc_layout: gl.constexpr = _acc_layout(NW)
+    e, rows, rmask = _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr,
+                           ROW0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout)))
+    tok = (gl.load(sorted_pair_ptr + rows) // TOP_K).to(gl.int64)
+    n1 = INTER * (2 if GATED else 1)
+    kb_count = H // BK
+    ib_count = INTER // BK
+    # s13 [n, planes, I/128, H/128]: the block's 128 channels are one scale block of each plane
+    gate = ws_ptr + ((e * (2 if GATED else 1)) * ib_count + pid_n) * kb_count
+    up = gate + ib_count * kb_count if GATED else gate
+    col = gl.arange(0, NW, layout=gl.SliceLayout(0, acc_layout))
+    plane = (col // 8) % 2 if GATED else col * 0
+    acc0, acc1, acc2, acc3 = _k_loop(x_smem, w_smem, full, empty, ROW0, xs_ptr + tok * kb_count, gate, up, gate, up,
+                                     plane, H // BK, N // NW, STAGES)
+    # the intermediate, then its quantization per row of the block's 128 channels
+    b = bias_ptr + e * n1 + pid_n * N
+    h0 = _act(acc0, b, HAS_BIAS, GATED, ACT, alpha, limit)
+    h1 = _act(acc1, b + NW, HAS_BIAS, GATED, ACT, alpha, limit)
+    amax = gl.maximum(gl.max(gl.abs(h0), axis=1), gl.max(gl.abs(h1), axis=1))
+    if N // NW == 4:
+        h2 = _act(acc2, b + 2 * NW, HAS_BIAS, GATED, ACT, alpha, limit)
+        h3 = _act(acc3, b + 3 * NW, HAS_BIAS, GATED, ACT, alpha, limit)
+        amax = gl.maximum(amax, gl.maximum(gl.max(gl.abs(h2), axis=1), gl.max(gl.abs(h3), axis=1)))
+    scale = gl.div_rn(gl.maximum(amax, 1e-4), 448.0)
+    C: gl.constexpr = h0.shape[1]
+    col0 = pid_n * 128
+    _quant_store(h_ptr, h0, scale, rows, rmask, col0, INTER)
+    _quant_store(h_ptr, h1, scale, rows, rmask, col0 + C, INTER)
+    if N // NW == 4:
+        _quant_store(h_ptr, h2, scale, rows, rmask, col0 + 2 * C, INTER)
+        _quant_store(h_ptr, h3, scale, rows, rmask, col0 + 3 * C, INTER)
+    gl.store(hs_ptr + rows.to(gl.int64) * ib_count + pid_n, gl.convert_layout(scale, rows.type.layout), mask=rmask)
+
+
+@gluon.jit
+def gemm1(x_desc, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr,
+          num_tiles_ptr, h_ptr, hs_ptr, H, INTER, TOP_K, max_tiles, alpha, limit, GATED: gl.constexpr,
+          ACT: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """h (FP8, 1x128 scales hs) = act(gate, up) of a tile of 128 sorted token rows (x_desc: the FP8 codes gathered
+    into sorted order; xs_ptr: their scales in token order), 128 channels a block."""
+    pid_m, pid_n = _program(gl.program_id(0), max_tiles, gl.cdiv(INTER, 128), GROUP_M)
+    if pid_m < gl.load(num_tiles_ptr):
+        x_smem, w_smem, full, empty = _rings(x_desc, w_desc, STAGES)
+        e = gl.load(tile_expert_ptr + pid_m)
+        w_row0 = e * INTER * (2 if GATED else 1) + pid_n * w_desc.block_type.shape[0]
+        loads = (x_desc, w_desc, x_smem, w_smem, full, empty, gl.load(tile_row_ptr + pid_m), w_row0, H // BK, STAGES)
+        if x_desc.block_type.shape[0] == 128:
+            gl.warp_specialize([
+                (_gemm1_rows, (0, x_smem, w_smem, full, empty, pid_m, pid_n, xs_ptr, ws_ptr, bias_ptr,
+                               sorted_pair_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, h_ptr, hs_ptr, H, INTER, TOP_K,
+                               alpha, limit, GATED, ACT, HAS_BIAS, STAGES)),
+                (_gemm1_rows, (64, x_smem, w_smem, full, empty, pid_m, pid_n, xs_ptr, ws_ptr, bias_ptr,
+                               sorted_pair_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, h_ptr, hs_ptr, H, INTER, TOP_K,
+                               alpha, limit, GATED, ACT, HAS_BIAS, STAGES)),
+                (_loads, loads),
+            ], [4, 1], [240, 24])
+        else:
+            gl.warp_specialize([
+                (_gemm1_rows, (0, x_smem, w_smem, full, empty, pid_m, pid_n, xs_ptr, ws_ptr, bias_ptr,
+                               sorted_pair_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, h_ptr, hs_ptr, H, INTER, TOP_K,
+                               alpha, limit, GATED, ACT, HAS_BIAS, STAGES)),
+                (_loads, loads),
+            ], [1], [24])
+
+
+@gluon.jit
+def _gemm2_rows(ROW0: gl.constexpr, x_smem, w_smem, full, empty, pid_m, pid_n, hs_ptr, ws_ptr, offs_ptr,
+                tile_expert_ptr, tile_row_ptr, y_ptr, H, INTER, STAGES: gl.constexpr):
+    """One warpgroup's part of gemm2: rows ROW0.. of the tile, the whole block of output columns."""
+    BN: gl.constexpr = w_smem.shape[1]
+    acc_layout: gl.constexpr = _acc_layout(NW)
+    e, rows, rmask = _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr,
+                           ROW0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout)))
+    kb_count = INTER // BK
+    # s2 [n, H/128, I/128]: each 128 columns of the block are one scale block
+    blk0 = ws_ptr + (e * (H // BK) + (pid_n * BN) // BK) * kb_count
+    blk1 = ws_ptr + (e * (H // BK) + gl.minimum((pid_n * BN) // BK + 1, H // BK - 1)) * kb_count if BN == 256 else blk0
+    plane = gl.arange(0, NW, layout=gl.SliceLayout(0, acc_layout)) * 0
+    acc0, acc1, acc2, acc3 = _k_loop(x_smem, w_smem, full, empty, ROW0, hs_ptr + rows.to(gl.int64) * kb_count, blk0,
+                                     blk0, blk1, blk1, plane, INTER // BK, BN // NW, STAGES)
+    col0 = pid_n * BN
+    _store(y_ptr, acc0.to(gl.bfloat16), rows, rmask, col0, H, 8)
+    _store(y_ptr, acc1.to(gl.bfloat16), rows, rmask, col0 + NW, H, 8)
+    if BN // NW == 4:
+        _store(y_ptr, acc2.to(gl.bfloat16), rows, rmask, col0 + 2 * NW, H, 8)
+        _store(y_ptr, acc3.to(gl.bfloat16), rows, rmask, col0 + 3 * NW, H, 8)
+
+
+@gluon.jit
+def gemm2(h_desc, hs_ptr, w_desc, ws_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, y_ptr, H, INTER,
+          max_tiles, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """y rows (bf16, sorted order) = a tile of 128 FP8 h rows x w2 rows (BN = the weight block's rows, 128 or 256)."""
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    pid_m, pid_n = _program(gl.program_id(0), max_tiles, gl.cdiv(H, BN), GROUP_M)
+    if pid_m < gl.load(num_tiles_ptr):
+        x_smem, w_smem, full, empty = _rings(h_desc, w_desc, STAGES)
+        w_row0 = gl.load(tile_expert_ptr + pid_m) * H + pid_n * BN
+        loads = (h_desc, w_desc, x_smem, w_smem, full, empty, gl.load(tile_row_ptr + pid_m), w_row0, INTER // BK,
+                 STAGES)
+        if h_desc.block_type.shape[0] == 128:
+            gl.warp_specialize([
+                (_gemm2_rows, (0, x_smem, w_smem, full, empty, pid_m, pid_n, hs_ptr, ws_ptr, offs_ptr,
+                               tile_expert_ptr, tile_row_ptr, y_ptr, H, INTER, STAGES)),
+                (_gemm2_rows, (64, x_smem, w_smem, full, empty, pid_m, pid_n, hs_ptr, ws_ptr, offs_ptr,
+                               tile_expert_ptr, tile_row_ptr, y_ptr, H, INTER, STAGES)),
+                (_loads, loads),
+            ], [4, 1], [240, 24])
+        else:
+            gl.warp_specialize([
+                (_gemm2_rows, (0, x_smem, w_smem, full, empty, pid_m, pid_n, hs_ptr, ws_ptr, offs_ptr,
+                               tile_expert_ptr, tile_row_ptr, y_ptr, H, INTER, STAGES)),
+                (_loads, loads),
+            ], [1], [24])
+
+
+def _desc(t2d, rows):
+    """TMA descriptor of FP8 rows t2d [R, K] by blocks of `rows` x 128."""
+    layout = gl.NVMMASharedLayout.get_default_for([rows, 128], gl.float8e4nv)
+    return TensorDescriptor.from_tensor(t2d, [rows, 128], layout)
+
+
+def launch_gemm1(x_sorted, xs, w, ws, bias, sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs, *, hidden,
+                 inter, top_k, max_tiles, alpha, limit, gated, act, cfg):
+    """gemm1 over FP8 w13 [n, N1, H] (gate/up interleaved by 8) and its block scales ws; x_sorted [pairs, H]: the
+    FP8 codes of each routed pair's token in sorted order, xs [tokens, H / 128] their scales in token order;
+    cfg = (BM, STAGES, GROUP_M): 64 or 128 token rows, blocks of 128 channels."""
+    bm, stages, group_m = cfg
+    if bm not in (64, 128):
+        raise ValueError(f"gluon FP8 gemm1: 64 or 128 token rows (one MMA warpgroup each 64), got {bm}")
+    grid = (max_tiles * triton.cdiv(inter, 128),)
+    gemm1[grid](_desc(x_sorted, bm), xs, _desc(w.reshape(-1, hidden), 256 if gated else 128), ws,
+                bias if bias is not None else offs, sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs,
+                hidden, inter, top_k, max_tiles, alpha, limit, GATED=gated, ACT=act, HAS_BIAS=bias is not None,
+                GROUP_M=group_m, STAGES=stages, num_warps=WARPS)
+
+
+def launch_gemm2(h, hs, w, ws, offs, tile_expert, tile_row, num_tiles, y, *, hidden, inter, max_tiles, cfg):
+    """gemm2 over FP8 w2 [n, H, I] into bf16 rows y [pairs, H]; cfg = (BM, BN, STAGES, GROUP_M): 64 or 128 token
+    rows, 128 or 256 output columns."""
+    bm, bn, stages, group_m = cfg
+    if bm not in (64, 128) or bn not in (128, 256):
+        raise ValueError(f"gluon FP8 gemm2: 64 or 128 token rows, 128 or 256 columns, got BM {bm}, BN {bn}")
+    grid = (max_tiles * triton.cdiv(hidden, bn),)
+    gemm2[grid](_desc(h, bm), hs, _desc(w.reshape(-1, inter), bn), ws, offs, tile_expert, tile_row, num_tiles, y,
+                hidden, inter, max_tiles, GROUP_M=group_m, STAGES=stages, num_warps=WARPS)
