@@ -103,8 +103,8 @@ def _k_loop(x_smem, w_smem, full, empty, ROW0: gl.constexpr, xs_ptrs, p00, p01, 
 
 @gluon.jit
 def _rings(x_desc, w_desc, STAGES: gl.constexpr):
-    """The shared-memory rings of token and weight blocks and their full/empty barriers (each MMA warpgroup, one a
-    64 token rows, frees a slot)."""
+    """The shared-memory rings of token and weight blocks and their full/empty barriers (each MMA warpgroup, one for
+    every 64 token rows, frees a slot)."""
     x_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -203,8 +203,8 @@ def _gemm1_rows(ROW0: gl.constexpr, x_smem, w_smem, full, empty, pid_m, pid_n, x
 def gemm1(x_desc, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr,
           num_tiles_ptr, h_ptr, hs_ptr, H, INTER, TOP_K, max_tiles, alpha, limit, GATED: gl.constexpr,
           ACT: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """h (FP8, 1x128 scales hs) = act(gate, up) of a tile of 128 sorted token rows (x_desc: the FP8 codes gathered
-    into sorted order; xs_ptr: their scales in token order), 128 channels a block."""
+    """h (FP8, 1x128 scales hs) = act(gate, up) of a tile of 64 or 128 sorted token rows (x_desc: the FP8 codes
+    gathered into sorted order; xs_ptr: their scales in token order), 128 channels a block."""
     pid_m, pid_n = _program(gl.program_id(0), max_tiles, gl.cdiv(INTER, 128), GROUP_M)
     if pid_m < gl.load(num_tiles_ptr):
         x_smem, w_smem, full, empty = _rings(x_desc, w_desc, STAGES)
@@ -256,7 +256,8 @@ def _gemm2_rows(ROW0: gl.constexpr, x_smem, w_smem, full, empty, pid_m, pid_n, h
 @gluon.jit
 def gemm2(h_desc, hs_ptr, w_desc, ws_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, y_ptr, H, INTER,
           max_tiles, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """y rows (bf16, sorted order) = a tile of 128 FP8 h rows x w2 rows (BN = the weight block's rows, 128 or 256)."""
+    """y rows (bf16, sorted order) = a tile of 64 or 128 FP8 h rows x w2 rows (BN = the weight block's rows, 128 or
+    256)."""
     BN: gl.constexpr = w_desc.block_type.shape[0]
     pid_m, pid_n = _program(gl.program_id(0), max_tiles, gl.cdiv(H, BN), GROUP_M)
     if pid_m < gl.load(num_tiles_ptr):
