@@ -275,24 +275,32 @@ class Router:
 
 
 def fill_module(module, gen_seed):
-    """Random contents in the module's own layout: valid codes and realistic scales."""
+    """Random contents in the module's own layout: valid codes and realistic scales. Filled an expert at a time, so
+    the fp32 temporaries of the FP8 codes stay small (D's w13 whole would need 28 GiB: more than an H100 has free
+    beside two weight copies)."""
     g = torch.Generator(device="cuda").manual_seed(gen_seed)
-    for name, buf in module.named_buffers():
-        if buf.dtype == torch.bfloat16:
-            buf.normal_(0, 0.02, generator=g)
-        elif buf.dtype == torch.float8_e4m3fn:
-            if name.startswith("s"):   # NVFP4 block scales, E4M3, positive
-                buf.copy_(torch.empty(buf.shape, device="cuda").uniform_(0.5, 4, generator=g).to(buf.dtype))
-            else:
-                buf.copy_(torch.empty(buf.shape, device="cuda").normal_(0, 100, generator=g).clamp(-448, 448).to(buf.dtype))
-        elif buf.dtype == torch.uint8:
-            if name.startswith("s"):   # E8M0 scale bytes near 2^-8
-                buf.copy_(torch.randint(115, 124, buf.shape, device="cuda", generator=g).to(torch.uint8))
-            else:                      # every byte is two valid E2M1 codes
-                buf.copy_(torch.randint(0, 256, buf.shape, device="cuda", generator=g).to(torch.uint8))
-        elif buf.dtype == torch.float32:
-            buf.uniform_(1e-4, 3e-4, generator=g)
+    for name, whole in module.named_buffers():
+        for buf in (whole.unbind(0) if whole.dim() > 2 else (whole,)):
+            _fill(name, buf, g)
     module.weights_loaded = True
+
+
+def _fill(name, buf, g):
+    """fill_module's contents of one buffer (or one expert's slice of it)."""
+    if buf.dtype == torch.bfloat16:
+        buf.normal_(0, 0.02, generator=g)
+    elif buf.dtype == torch.float8_e4m3fn:
+        if name.startswith("s"):   # NVFP4 block scales, E4M3, positive
+            buf.copy_(torch.empty(buf.shape, device="cuda").uniform_(0.5, 4, generator=g).to(buf.dtype))
+        else:
+            buf.copy_(torch.empty(buf.shape, device="cuda").normal_(0, 100, generator=g).clamp(-448, 448).to(buf.dtype))
+    elif buf.dtype == torch.uint8:
+        if name.startswith("s"):   # E8M0 scale bytes near 2^-8
+            buf.copy_(torch.randint(115, 124, buf.shape, device="cuda", generator=g).to(torch.uint8))
+        else:                      # every byte is two valid E2M1 codes
+            buf.copy_(torch.randint(0, 256, buf.shape, device="cuda", generator=g).to(torch.uint8))
+    elif buf.dtype == torch.float32:
+        buf.uniform_(1e-4, 3e-4, generator=g)
 
 
 # --- peers --------------------------------------------------------------------------------------
