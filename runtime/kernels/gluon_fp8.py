@@ -28,7 +28,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import constexpr_function
 
-from .triton_grouped import _activate, _program, _tile
+from .triton_grouped import _activate, _fp8_codes, _fp8_scale, _gate_up, _program, _tile
 
 BK = gl.constexpr(128)   # a K step is one scale block
 NW = gl.constexpr(64)    # columns of one product: four products cover 256 weight rows, two 128
@@ -124,10 +124,7 @@ def _act(acc, bias_ptr, HAS_BIAS: gl.constexpr, GATED: gl.constexpr, ACT: gl.con
         col = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
         acc += gl.load(bias_ptr + col)[None, :]
     if GATED:
-        C: gl.constexpr = acc.shape[1] // 2
-        g, u = gl.split(gl.permute(gl.reshape(acc, [64, C // 8, 2, 8]), [0, 1, 3, 2]))
-        g = gl.reshape(g, [64, C])
-        u = gl.reshape(u, [64, C])
+        g, u = _gate_up(acc, 64, acc.shape[1] // 2)
     else:
         g = acc
         u = acc
@@ -154,9 +151,8 @@ def _store(out_ptr, vals, rows, rmask, col0, width, VEC: gl.constexpr):
 
 @gluon.jit
 def _quant_store(h_ptr, hf, scale, rows, rmask, col0, INTER):
-    """hf / scale per row, clamped to the E4M3 range, as FP8 into h (as triton_grouped.gemm1 quantizes)."""
-    q = gl.minimum(gl.maximum(gl.div_rn(hf, scale[:, None]), -448.0), 448.0).to(gl.float8e4nv)
-    _store(h_ptr, q, rows, rmask, col0, INTER, 16)
+    """hf / scale per row as E4M3 codes into h (triton_grouped._fp8_codes, as its gemm1 quantizes)."""
+    _store(h_ptr, _fp8_codes(hf, scale[:, None]), rows, rmask, col0, INTER, 16)
 
 
 @gluon.jit
@@ -188,7 +184,7 @@ def _gemm1_rows(ROW0: gl.constexpr, x_smem, w_smem, full, empty, pid_m, pid_n, x
         h2 = _act(acc2, b + 2 * NW, HAS_BIAS, GATED, ACT, alpha, limit)
         h3 = _act(acc3, b + 3 * NW, HAS_BIAS, GATED, ACT, alpha, limit)
         amax = gl.maximum(amax, gl.maximum(gl.max(gl.abs(h2), axis=1), gl.max(gl.abs(h3), axis=1)))
-    scale = gl.div_rn(gl.maximum(amax, 1e-4), 448.0)
+    scale = _fp8_scale(amax)
     C: gl.constexpr = h0.shape[1]
     col0 = pid_n * 128
     _quant_store(h_ptr, h0, scale, rows, rmask, col0, INTER)

@@ -131,6 +131,26 @@ def _activate(g, u, ACT: tl.constexpr, alpha, limit):
 
 
 @triton.jit
+def _gate_up(acc, ROWS: tl.constexpr, C: tl.constexpr):
+    """(gate, up) [ROWS, C] of an accumulator [ROWS, 2C] whose columns are w13 rows interleaved by 8
+    (layouts.interleave_gate_up: rows 16b + i gate, 16b + 8 + i up, channel 8b + i); gluon_fp8 calls it too."""
+    g, u = tl.split(tl.permute(tl.reshape(acc, [ROWS, C // 8, 2, 8]), [0, 1, 3, 2]))
+    return tl.reshape(g, [ROWS, C]), tl.reshape(u, [ROWS, C])
+
+
+@triton.jit
+def _fp8_scale(amax):
+    """The 1x128 group scale of an intermediate row whose largest magnitude is `amax` (E4M3's 448 at the top)."""
+    return tl.math.div_rn(tl.maximum(amax, 1e-4), 448.0)
+
+
+@triton.jit
+def _fp8_codes(hf, scale):
+    """hf / scale, clamped to the E4M3 range, as E4M3 codes (gluon_fp8's epilogue too, so both quantize alike)."""
+    return tl.minimum(tl.maximum(tl.math.div_rn(hf, scale), -448.0), 448.0).to(tl.float8e4nv)
+
+
+@triton.jit
 def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr,
           num_tiles_ptr, h_ptr, hs_ptr, H, INTER, TOP_K, max_tiles, alpha, limit,
           FP8: tl.constexpr, W4: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -184,9 +204,7 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, ti
     if HAS_BIAS:
         acc += tl.load(bias_ptr + e * n1 + wrow)[None, :]
     if GATED:
-        g, u = tl.split(tl.permute(tl.reshape(acc, [BM, BN // 8, 2, 8]), [0, 1, 3, 2]))
-        g = tl.reshape(g, [BM, BN])
-        u = tl.reshape(u, [BM, BN])
+        g, u = _gate_up(acc, BM, BN)
     else:
         g = acc
         u = acc
@@ -199,9 +217,8 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, ti
     if FP8:
         # BN == 128 and INTER % 128 == 0: this block is one activation group of every row
         hf = hb.to(tl.float32)
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(hf), axis=1), 1e-4), 448.0)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(hf, scale[:, None]), -448.0), 448.0)
-        tl.store(h_ptr + out_rows[:, None] * INTER + cols[None, :], q.to(tl.float8e4nv), mask=smask)
+        scale = _fp8_scale(tl.max(tl.abs(hf), axis=1))
+        tl.store(h_ptr + out_rows[:, None] * INTER + cols[None, :], _fp8_codes(hf, scale[:, None]), mask=smask)
         tl.store(hs_ptr + out_rows * ib_count + pid_n, scale, mask=rmask)
     else:
         tl.store(h_ptr + out_rows[:, None] * INTER + cols[None, :], hb, mask=smask)
