@@ -84,7 +84,8 @@ TRITON_SWEEP = {
         ((16, 128, 128, 4, 4, 8), (16, 128, 128, 4, 4, 8)),
         ((32, 128, 128, 8, 3, 8), (32, 128, 128, 4, 4, 8)),
         # the warp-specialized Gluon kernels (an eighth element True: runtime/kernels/gluon_fp8.py; a TMA warp and an
-        # MMA warpgroup each 64 token rows, promoting apart), w2 blocks of 128 and 256 columns
+        # MMA warpgroup each 64 token rows, promoting apart), w2 blocks of 128 and 256 columns, the one-warpgroup 64-row
+        # tile, and the Gluon gemm1 with the Triton gemm2 at 128 rows
         ((128, 128, 128, 8, 4, 8, False, True), (128, 128, 128, 8, 4, 8, False, True)),
         ((128, 128, 128, 8, 3, 8, False, True), (128, 256, 128, 8, 3, 8, False, True)),
         ((64, 128, 128, 4, 4, 8, False, True), (64, 128, 128, 4, 4, 8, False, True)),
