@@ -21,12 +21,11 @@ log = logging.getLogger("moegen")
 
 
 class HeldDraft(NamedTuple):
-    """The draft a chosen build constructs for a speculative mode: its kind, its module (DRAFT, DRAFT_CLASS), and
-    whether it is a specialized build's `draft.py` (else the generic build's, resolved at load)."""
+    """The draft a chosen build constructs for a speculative mode: its kind and its module (DRAFT, DRAFT_CLASS; a
+    specialized build's `draft.py` when the build is specialized, else the generic build's, resolved at load)."""
 
     kind: str
     module: ModuleType
-    specialized: bool
 
 
 def selection_of(moe_config, speculative_config):
@@ -234,11 +233,11 @@ class Builds:
         if chosen.kind == "specialized":
             # The build index picked this build only because it holds the draft of this mode (RULES TG6).
             held = next(t["draft"] for t in self.index["targets"] if t["name"] == chosen.target)
-            return HeldDraft(held["kind"], self.module(held["module"]), True), None
+            return HeldDraft(held["kind"], self.module(held["module"])), None
         generic = self.index["models"][model]["generic_draft"]
         if generic is None or mode not in generic["modes"]:
             return None, f"the generic build of {model} constructs no draft for mode {mode!r}: decoded with the target alone"
-        return HeldDraft(generic["kind"], self.module(generic["module"]), False), None
+        return HeldDraft(generic["kind"], self.module(generic["module"])), None
 
     def _refuse_without_own_folder(self, kind, model) -> None:
         """SelectionError for a draft of `kind` loaded from a checkpoint without a folder of its own, unless it is an
@@ -257,7 +256,7 @@ class Builds:
         if held is None:
             return None, why
         kind, module = held.kind, held.module
-        if held.specialized:
+        if chosen.kind == "specialized":
             build = functools.partial(module.DRAFT_CLASS, device=device, rank=rank, **extra)
         else:
             # The generic draft resolves its layers at load under the draft's own selection (DR1, DR2).
