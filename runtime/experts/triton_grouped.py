@@ -123,14 +123,15 @@ class TritonWgmmaFp8BlockScalesExperts(_TritonGroupedExperts, CupyMmaFp8BlockSca
                "for decode. " + _TritonGroupedExperts.__doc__)
     IMPL_ID = "triton.wgmma.grouped_gemm.fp8_block_scales"
     # From 2 rows (64 tokens of the D shape: 6 % less time than CUPY; Q at 256 tokens, 16 rows: 32 % less,
-    # 2026-12-01); up to 16 rows a 16-row tile (mma.sync, 4 warps), then the 64-row wgmma tile. Above 256 rows the
+    # 2026-12-01); up to 16 rows a 16-row tile (mma.sync, 4 warps), then the 64-row wgmma tile. Above 64 rows the
     # warp-specialized Gluon kernels (the eighth element: runtime/kernels/gluon_fp8.py, 128 token rows, two MMA
-    # warpgroups): the same bits, 11 % less time at Q 8192 (512 rows; H100, 2026-12-06, BENCHMARKS.md). Its 64-row
-    # tile (one MMA warpgroup) was 35 % slower there, w2 blocks of 256 columns 3 % (they spill); 64-256 rows were
-    # not timed with it.
+    # warpgroups, gemm2 persistent): the same bits; against the 64-row tile 442 vs 462-464 us at Q 2048 (128 rows),
+    # 1156-1179 vs 1376-1390 at Q 8192, 8945-9037 vs 11489-11670 at D 8192 (H100, 2026-12-06, BENCHMARKS.md); a
+    # tie at D 2048 (64 rows). Its 64-row tile (one MMA warpgroup) was 35 % slower at Q 8192, w2 blocks of 256
+    # columns 3 % (they spill).
     TRITON_MIN_ROWS = 2
     CONFIGS = ((16, ((16, 128, 128, 4, 4, 8), (16, 128, 128, 4, 4, 8))),
-               (256, ((64, 128, 128, 8, 3, 8), (64, 128, 128, 4, 4, 8))),
+               (64, ((64, 128, 128, 8, 3, 8), (64, 128, 128, 4, 4, 8))),
                (1e9, ((128, 128, 128, 8, 4, 8, False, True), (128, 128, 128, 8, 4, 8, False, True))))
 
 

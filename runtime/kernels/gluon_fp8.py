@@ -13,6 +13,11 @@ promotion of one part with the next part's wgmma; scales are loaded a step ahead
 too, so gemm1 reads its rows already in sorted order (the caller gathers the FP8 codes first; their scales
 are still read through the routing).
 
+Work items are (token tile, weight block) pairs. gemm2 is persistent: a program per multiprocessor takes every
+num_programs-th item, and the load warp runs on into its next item, so that item's first K steps load while the
+MMA warpgroups finish and store this one (gemm2 has only I / 128 K steps: at Q 6, and waiting for the first
+loads of each tile cost a quarter of its time). gemm1 keeps a program per item (see launch_gemm1).
+
 Tiles: 128 token rows (two MMA warpgroups sharing the weight block) or 64 (one); gemm1's block is 128
 channels (gate and up interleaved by 8: 256 w13 rows), the 1x128 quantization group of its FP8 output,
 gemm2's 128 or 256 output columns. Same products in the same K order, promotion expression, activation
@@ -20,6 +25,9 @@ and quantization as triton_grouped's FP8 path.
 """
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -42,14 +50,31 @@ def _acc_layout(n):
 
 
 @gluon.jit
-def _loads(x_desc, w_desc, x_smem, w_smem, full, empty, x_row0, w_row0, steps, STAGES: gl.constexpr):
-    """The load warp: K step k's token rows and weight rows into slot k % STAGES once the MMA warpgroups freed it."""
-    for k in range(steps):
-        slot = k % STAGES
-        mbarrier.wait(empty.index(slot), ((k // STAGES) & 1) ^ 1)   # the first round finds every slot free
-        mbarrier.expect(full.index(slot), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(x_desc, [x_row0, k * BK], full.index(slot), x_smem.index(slot))
-        tma.async_copy_global_to_shared(w_desc, [w_row0, k * BK], full.index(slot), w_smem.index(slot))
+def _work(num_tiles_ptr, num_n):
+    """This program's first work item, the stride between its items and their end: the kernel is persistent, each
+    program takes every num_programs-th (token tile, weight block) of the call's tiles."""
+    return gl.program_id(0), gl.num_programs(0), gl.load(num_tiles_ptr) * num_n
+
+
+@gluon.jit
+def _loads(x_desc, w_desc, x_smem, w_smem, full, empty, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, num_n,
+           expert_rows, steps, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """The load warp: the i-th K step of this program (over all its work items) into slot i % STAGES once the MMA
+    warpgroups freed it, so the next item's first blocks load during this item's last products and epilogue."""
+    first, stride, end = _work(num_tiles_ptr, num_n)
+    num_tiles = gl.load(num_tiles_ptr)
+    i = 0
+    for item in range(first, end, stride):
+        pid_m, pid_n = _program(item, num_tiles, num_n, GROUP_M)
+        x_row0 = gl.load(tile_row_ptr + pid_m)
+        w_row0 = gl.load(tile_expert_ptr + pid_m) * expert_rows + pid_n * w_desc.block_type.shape[0]
+        for k in range(steps):
+            slot = i % STAGES
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)   # the first round finds every slot free
+            mbarrier.expect(full.index(slot), x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [x_row0, k * BK], full.index(slot), x_smem.index(slot))
+            tma.async_copy_global_to_shared(w_desc, [w_row0, k * BK], full.index(slot), w_smem.index(slot))
+            i += 1
 
 
 @gluon.jit
@@ -69,11 +94,12 @@ def _part(a, w, q: gl.constexpr, t, acc, xs, s0, s1, plane):
 
 
 @gluon.jit
-def _k_loop(x_smem, w_smem, full, empty, ROW0: gl.constexpr, xs_ptrs, p00, p01, p10, p11, plane, steps,
+def _k_loop(x_smem, w_smem, full, empty, i0, ROW0: gl.constexpr, xs_ptrs, p00, p01, p10, p11, plane, steps,
             PARTS: gl.constexpr, STAGES: gl.constexpr):
     """One warpgroup's 64 token rows (from ROW0 of the tile) times the weight block, NW columns at a time (PARTS
-    of them, 2 or 4): per K step each part's product (use_acc off) promoted into its accumulator. The first half
-    of the parts takes the scales (p00, p01) of its column planes (`plane` 0 or 1), the second half (p10, p11)."""
+    of them, 2 or 4): per K step each part's product (use_acc off) promoted into its accumulator. The first
+    half of the parts takes the scales (p00, p01) of its column planes (`plane` 0 or 1), the second half (p10,
+    p11). The item's K steps are this program's i0-th and on (_loads' ring order)."""
     acc_layout: gl.constexpr = _acc_layout(NW)
     acc0 = gl.zeros([64, NW], gl.float32, acc_layout)
     acc1 = gl.zeros([64, NW], gl.float32, acc_layout)
@@ -82,9 +108,9 @@ def _k_loop(x_smem, w_smem, full, empty, ROW0: gl.constexpr, xs_ptrs, p00, p01, 
     t = gl.zeros([64, NW], gl.float32, acc_layout)   # its value is never read (use_acc off): registers to reuse
     xs, s00, s01, s10, s11 = _scales(xs_ptrs, p00, p01, p10, p11, 0, steps)
     for k in range(steps):
-        slot = k % STAGES
+        slot = (i0 + k) % STAGES
         nxt = _scales(xs_ptrs, p00, p01, p10, p11, k + 1, steps)
-        mbarrier.wait(full.index(slot), (k // STAGES) & 1)
+        mbarrier.wait(full.index(slot), ((i0 + k) // STAGES) & 1)
         a = x_smem.index(slot).slice(ROW0, 64)
         w = w_smem.index(slot)
         if PARTS == 2:
@@ -156,125 +182,147 @@ def _quant_store(h_ptr, hf, scale, rows, rmask, col0, INTER):
 
 
 @gluon.jit
-def _gemm1_rows(ROW0: gl.constexpr, x_smem, w_smem, full, empty, pid_m, pid_n, xs_ptr, ws_ptr, bias_ptr,
-                sorted_pair_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, h_ptr, hs_ptr, H, INTER, TOP_K, alpha,
-                limit, GATED: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup's part of gemm1: rows ROW0.. of the tile, the whole 128-channel block, epilogue included."""
+def _gemm1_rows(ROW0: gl.constexpr, x_smem, w_smem, full, empty, xs_ptr, ws_ptr, bias_ptr, sorted_pair_ptr,
+                offs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, h_ptr, hs_ptr, H, INTER, TOP_K, alpha, limit,
+                GATED: gl.constexpr, ACT: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr,
+                STAGES: gl.constexpr):
+    """One warpgroup's part of gemm1 for each of this program's items: rows ROW0.. of the tile, the whole
+    128-channel block, epilogue included."""
     N: gl.constexpr = w_smem.shape[1]   # w13 rows: 128 channels, times 2 when gated
     acc_layout: gl.constexpr = _acc_layout(NW)
-    e, rows, rmask = _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr,
-                           ROW0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout)))
-    tok = (gl.load(sorted_pair_ptr + rows) // TOP_K).to(gl.int64)
     n1 = INTER * (2 if GATED else 1)
     kb_count = H // BK
     ib_count = INTER // BK
-    # s13 [n, planes, I/128, H/128]: the block's 128 channels are one scale block of each plane
-    gate = ws_ptr + ((e * (2 if GATED else 1)) * ib_count + pid_n) * kb_count
-    up = gate + ib_count * kb_count if GATED else gate
     col = gl.arange(0, NW, layout=gl.SliceLayout(0, acc_layout))
     plane = (col // 8) % 2 if GATED else col * 0
-    acc0, acc1, acc2, acc3 = _k_loop(x_smem, w_smem, full, empty, ROW0, xs_ptr + tok * kb_count, gate, up, gate, up,
-                                     plane, H // BK, N // NW, STAGES)
-    # the intermediate, then its quantization per row of the block's 128 channels
-    b = bias_ptr + e * n1 + pid_n * N
-    h0 = _act(acc0, b, HAS_BIAS, GATED, ACT, alpha, limit)
-    h1 = _act(acc1, b + NW, HAS_BIAS, GATED, ACT, alpha, limit)
-    amax = gl.maximum(gl.max(gl.abs(h0), axis=1), gl.max(gl.abs(h1), axis=1))
-    if N // NW == 4:
-        h2 = _act(acc2, b + 2 * NW, HAS_BIAS, GATED, ACT, alpha, limit)
-        h3 = _act(acc3, b + 3 * NW, HAS_BIAS, GATED, ACT, alpha, limit)
-        amax = gl.maximum(amax, gl.maximum(gl.max(gl.abs(h2), axis=1), gl.max(gl.abs(h3), axis=1)))
-    scale = _fp8_scale(amax)
-    C: gl.constexpr = h0.shape[1]
-    col0 = pid_n * 128
-    _quant_store(h_ptr, h0, scale, rows, rmask, col0, INTER)
-    _quant_store(h_ptr, h1, scale, rows, rmask, col0 + C, INTER)
-    if N // NW == 4:
-        _quant_store(h_ptr, h2, scale, rows, rmask, col0 + 2 * C, INTER)
-        _quant_store(h_ptr, h3, scale, rows, rmask, col0 + 3 * C, INTER)
-    gl.store(hs_ptr + rows.to(gl.int64) * ib_count + pid_n, gl.convert_layout(scale, rows.type.layout), mask=rmask)
+    first, stride, end = _work(num_tiles_ptr, ib_count)
+    num_tiles = gl.load(num_tiles_ptr)
+    i0 = 0
+    for item in range(first, end, stride):
+        pid_m, pid_n = _program(item, num_tiles, ib_count, GROUP_M)
+        e, rows, rmask = _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr,
+                               ROW0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout)))
+        tok = (gl.load(sorted_pair_ptr + rows) // TOP_K).to(gl.int64)
+        # s13 [n, planes, I/128, H/128]: the block's 128 channels are one scale block of each plane
+        gate = ws_ptr + ((e * (2 if GATED else 1)) * ib_count + pid_n) * kb_count
+        up = gate + ib_count * kb_count if GATED else gate
+        acc0, acc1, acc2, acc3 = _k_loop(x_smem, w_smem, full, empty, i0, ROW0, xs_ptr + tok * kb_count, gate, up,
+                                         gate, up, plane, kb_count, N // NW, STAGES)
+        i0 += kb_count
+        # the intermediate, then its quantization per row of the block's 128 channels
+        b = bias_ptr + e * n1 + pid_n * N
+        h0 = _act(acc0, b, HAS_BIAS, GATED, ACT, alpha, limit)
+        h1 = _act(acc1, b + NW, HAS_BIAS, GATED, ACT, alpha, limit)
+        amax = gl.maximum(gl.max(gl.abs(h0), axis=1), gl.max(gl.abs(h1), axis=1))
+        if N // NW == 4:
+            h2 = _act(acc2, b + 2 * NW, HAS_BIAS, GATED, ACT, alpha, limit)
+            h3 = _act(acc3, b + 3 * NW, HAS_BIAS, GATED, ACT, alpha, limit)
+            amax = gl.maximum(amax, gl.maximum(gl.max(gl.abs(h2), axis=1), gl.max(gl.abs(h3), axis=1)))
+        scale = _fp8_scale(amax)
+        C: gl.constexpr = h0.shape[1]
+        col0 = pid_n * 128
+        _quant_store(h_ptr, h0, scale, rows, rmask, col0, INTER)
+        _quant_store(h_ptr, h1, scale, rows, rmask, col0 + C, INTER)
+        if N // NW == 4:
+            _quant_store(h_ptr, h2, scale, rows, rmask, col0 + 2 * C, INTER)
+            _quant_store(h_ptr, h3, scale, rows, rmask, col0 + 3 * C, INTER)
+        gl.store(hs_ptr + rows.to(gl.int64) * ib_count + pid_n, gl.convert_layout(scale, rows.type.layout),
+                 mask=rmask)
 
 
 @gluon.jit
 def gemm1(x_desc, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr,
-          num_tiles_ptr, h_ptr, hs_ptr, H, INTER, TOP_K, max_tiles, alpha, limit, GATED: gl.constexpr,
-          ACT: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """h (FP8, 1x128 scales hs) = act(gate, up) of a tile of 64 or 128 sorted token rows (x_desc: the FP8 codes
+          num_tiles_ptr, h_ptr, hs_ptr, H, INTER, TOP_K, alpha, limit, GATED: gl.constexpr, ACT: gl.constexpr,
+          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """h (FP8, 1x128 scales hs) = act(gate, up) of tiles of 64 or 128 sorted token rows (x_desc: the FP8 codes
     gathered into sorted order; xs_ptr: their scales in token order), 128 channels a block."""
-    pid_m, pid_n = _program(gl.program_id(0), max_tiles, gl.cdiv(INTER, 128), GROUP_M)
-    if pid_m < gl.load(num_tiles_ptr):
-        x_smem, w_smem, full, empty = _rings(x_desc, w_desc, STAGES)
-        e = gl.load(tile_expert_ptr + pid_m)
-        w_row0 = e * INTER * (2 if GATED else 1) + pid_n * w_desc.block_type.shape[0]
-        loads = (x_desc, w_desc, x_smem, w_smem, full, empty, gl.load(tile_row_ptr + pid_m), w_row0, H // BK, STAGES)
-        if x_desc.block_type.shape[0] == 128:
-            gl.warp_specialize([
-                (_gemm1_rows, (0, x_smem, w_smem, full, empty, pid_m, pid_n, xs_ptr, ws_ptr, bias_ptr,
-                               sorted_pair_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, h_ptr, hs_ptr, H, INTER, TOP_K,
-                               alpha, limit, GATED, ACT, HAS_BIAS, STAGES)),
-                (_gemm1_rows, (64, x_smem, w_smem, full, empty, pid_m, pid_n, xs_ptr, ws_ptr, bias_ptr,
-                               sorted_pair_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, h_ptr, hs_ptr, H, INTER, TOP_K,
-                               alpha, limit, GATED, ACT, HAS_BIAS, STAGES)),
-                (_loads, loads),
-            ], [4, 1], [240, 24])
-        else:
-            gl.warp_specialize([
-                (_gemm1_rows, (0, x_smem, w_smem, full, empty, pid_m, pid_n, xs_ptr, ws_ptr, bias_ptr,
-                               sorted_pair_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, h_ptr, hs_ptr, H, INTER, TOP_K,
-                               alpha, limit, GATED, ACT, HAS_BIAS, STAGES)),
-                (_loads, loads),
-            ], [1], [24])
+    x_smem, w_smem, full, empty = _rings(x_desc, w_desc, STAGES)
+    loads = (x_desc, w_desc, x_smem, w_smem, full, empty, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
+             INTER // 128, INTER * (2 if GATED else 1), H // BK, GROUP_M, STAGES)
+    if x_desc.block_type.shape[0] == 128:
+        gl.warp_specialize([
+            (_gemm1_rows, (0, x_smem, w_smem, full, empty, xs_ptr, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr,
+                           tile_expert_ptr, tile_row_ptr, num_tiles_ptr, h_ptr, hs_ptr, H, INTER, TOP_K, alpha, limit,
+                           GATED, ACT, HAS_BIAS, GROUP_M, STAGES)),
+            (_gemm1_rows, (64, x_smem, w_smem, full, empty, xs_ptr, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr,
+                           tile_expert_ptr, tile_row_ptr, num_tiles_ptr, h_ptr, hs_ptr, H, INTER, TOP_K, alpha, limit,
+                           GATED, ACT, HAS_BIAS, GROUP_M, STAGES)),
+            (_loads, loads),
+        ], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([
+            (_gemm1_rows, (0, x_smem, w_smem, full, empty, xs_ptr, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr,
+                           tile_expert_ptr, tile_row_ptr, num_tiles_ptr, h_ptr, hs_ptr, H, INTER, TOP_K, alpha, limit,
+                           GATED, ACT, HAS_BIAS, GROUP_M, STAGES)),
+            (_loads, loads),
+        ], [1], [24])
 
 
 @gluon.jit
-def _gemm2_rows(ROW0: gl.constexpr, x_smem, w_smem, full, empty, pid_m, pid_n, hs_ptr, ws_ptr, offs_ptr,
-                tile_expert_ptr, tile_row_ptr, y_ptr, H, INTER, STAGES: gl.constexpr):
-    """One warpgroup's part of gemm2: rows ROW0.. of the tile, the whole block of output columns."""
+def _gemm2_rows(ROW0: gl.constexpr, x_smem, w_smem, full, empty, hs_ptr, ws_ptr, offs_ptr, tile_expert_ptr,
+                tile_row_ptr, num_tiles_ptr, y_ptr, H, INTER, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup's part of gemm2 for each of this program's items: rows ROW0.. of the tile, the whole block of
+    output columns."""
     BN: gl.constexpr = w_smem.shape[1]
     acc_layout: gl.constexpr = _acc_layout(NW)
-    e, rows, rmask = _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr,
-                           ROW0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout)))
     kb_count = INTER // BK
-    # s2 [n, H/128, I/128]: each 128 columns of the block are one scale block
-    blk0 = ws_ptr + (e * (H // BK) + (pid_n * BN) // BK) * kb_count
-    blk1 = ws_ptr + (e * (H // BK) + gl.minimum((pid_n * BN) // BK + 1, H // BK - 1)) * kb_count if BN == 256 else blk0
     plane = gl.arange(0, NW, layout=gl.SliceLayout(0, acc_layout)) * 0
-    acc0, acc1, acc2, acc3 = _k_loop(x_smem, w_smem, full, empty, ROW0, hs_ptr + rows.to(gl.int64) * kb_count, blk0,
-                                     blk0, blk1, blk1, plane, INTER // BK, BN // NW, STAGES)
-    col0 = pid_n * BN
-    _store(y_ptr, acc0.to(gl.bfloat16), rows, rmask, col0, H, 8)
-    _store(y_ptr, acc1.to(gl.bfloat16), rows, rmask, col0 + NW, H, 8)
-    if BN // NW == 4:
-        _store(y_ptr, acc2.to(gl.bfloat16), rows, rmask, col0 + 2 * NW, H, 8)
-        _store(y_ptr, acc3.to(gl.bfloat16), rows, rmask, col0 + 3 * NW, H, 8)
+    num_n = gl.cdiv(H, BN)
+    first, stride, end = _work(num_tiles_ptr, num_n)
+    num_tiles = gl.load(num_tiles_ptr)
+    i0 = 0
+    for item in range(first, end, stride):
+        pid_m, pid_n = _program(item, num_tiles, num_n, GROUP_M)
+        e, rows, rmask = _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr,
+                               ROW0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout)))
+        # s2 [n, H/128, I/128]: each 128 columns of the block are one scale block
+        blk0 = ws_ptr + (e * (H // BK) + (pid_n * BN) // BK) * kb_count
+        blk1 = ws_ptr + (e * (H // BK) + gl.minimum((pid_n * BN) // BK + 1, H // BK - 1)) * kb_count \
+            if BN == 256 else blk0
+        acc0, acc1, acc2, acc3 = _k_loop(x_smem, w_smem, full, empty, i0, ROW0, hs_ptr + rows.to(gl.int64) * kb_count,
+                                         blk0, blk0, blk1, blk1, plane, kb_count, BN // NW, STAGES)
+        i0 += kb_count
+        col0 = pid_n * BN
+        _store(y_ptr, acc0.to(gl.bfloat16), rows, rmask, col0, H, 8)
+        _store(y_ptr, acc1.to(gl.bfloat16), rows, rmask, col0 + NW, H, 8)
+        if BN // NW == 4:
+            _store(y_ptr, acc2.to(gl.bfloat16), rows, rmask, col0 + 2 * NW, H, 8)
+            _store(y_ptr, acc3.to(gl.bfloat16), rows, rmask, col0 + 3 * NW, H, 8)
 
 
 @gluon.jit
 def gemm2(h_desc, hs_ptr, w_desc, ws_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, y_ptr, H, INTER,
-          max_tiles, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """y rows (bf16, sorted order) = a tile of 64 or 128 FP8 h rows x w2 rows (BN = the weight block's rows, 128 or
-    256)."""
-    BN: gl.constexpr = w_desc.block_type.shape[0]
-    pid_m, pid_n = _program(gl.program_id(0), max_tiles, gl.cdiv(H, BN), GROUP_M)
-    if pid_m < gl.load(num_tiles_ptr):
-        x_smem, w_smem, full, empty = _rings(h_desc, w_desc, STAGES)
-        w_row0 = gl.load(tile_expert_ptr + pid_m) * H + pid_n * BN
-        loads = (h_desc, w_desc, x_smem, w_smem, full, empty, gl.load(tile_row_ptr + pid_m), w_row0, INTER // BK,
-                 STAGES)
-        if h_desc.block_type.shape[0] == 128:
-            gl.warp_specialize([
-                (_gemm2_rows, (0, x_smem, w_smem, full, empty, pid_m, pid_n, hs_ptr, ws_ptr, offs_ptr,
-                               tile_expert_ptr, tile_row_ptr, y_ptr, H, INTER, STAGES)),
-                (_gemm2_rows, (64, x_smem, w_smem, full, empty, pid_m, pid_n, hs_ptr, ws_ptr, offs_ptr,
-                               tile_expert_ptr, tile_row_ptr, y_ptr, H, INTER, STAGES)),
-                (_loads, loads),
-            ], [4, 1], [240, 24])
-        else:
-            gl.warp_specialize([
-                (_gemm2_rows, (0, x_smem, w_smem, full, empty, pid_m, pid_n, hs_ptr, ws_ptr, offs_ptr,
-                               tile_expert_ptr, tile_row_ptr, y_ptr, H, INTER, STAGES)),
-                (_loads, loads),
-            ], [1], [24])
+          GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """y rows (bf16, sorted order) = tiles of 64 or 128 FP8 h rows x w2 rows (BN = the weight block's rows, 128
+    or 256)."""
+    x_smem, w_smem, full, empty = _rings(h_desc, w_desc, STAGES)
+    loads = (h_desc, w_desc, x_smem, w_smem, full, empty, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
+             gl.cdiv(H, w_desc.block_type.shape[0]), H, INTER // BK, GROUP_M, STAGES)
+    if h_desc.block_type.shape[0] == 128:
+        gl.warp_specialize([
+            (_gemm2_rows, (0, x_smem, w_smem, full, empty, hs_ptr, ws_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr,
+                           num_tiles_ptr, y_ptr, H, INTER, GROUP_M, STAGES)),
+            (_gemm2_rows, (64, x_smem, w_smem, full, empty, hs_ptr, ws_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr,
+                           num_tiles_ptr, y_ptr, H, INTER, GROUP_M, STAGES)),
+            (_loads, loads),
+        ], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([
+            (_gemm2_rows, (0, x_smem, w_smem, full, empty, hs_ptr, ws_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr,
+                           num_tiles_ptr, y_ptr, H, INTER, GROUP_M, STAGES)),
+            (_loads, loads),
+        ], [1], [24])
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _grid(out, most_items: int) -> tuple[int]:
+    """One program a multiprocessor (a program's rings fill its shared memory), never more than the call's largest
+    count of work items (the count itself is known only on the device)."""
+    return (max(1, min(_multiprocessors(out.device.index), most_items)),)
 
 
 def _desc(t2d, rows):
@@ -291,11 +339,14 @@ def launch_gemm1(x_sorted, xs, w, ws, bias, sorted_pair, offs, tile_expert, tile
     bm, stages, group_m = cfg
     if bm not in (64, 128):
         raise ValueError(f"gluon FP8 gemm1: 64 or 128 token rows (one MMA warpgroup each 64), got {bm}")
-    grid = (max_tiles * triton.cdiv(inter, 128),)
-    gemm1[grid](_desc(x_sorted, bm), xs, _desc(w.reshape(-1, hidden), 256 if gated else 128), ws,
-                bias if bias is not None else offs, sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs,
-                hidden, inter, top_k, max_tiles, alpha, limit, GATED=gated, ACT=act, HAS_BIAS=bias is not None,
-                GROUP_M=group_m, STAGES=stages, num_warps=WARPS)
+    # a program for each work item, not one a multiprocessor: at the D shape (56 K steps, two tiles an expert
+    # sharing each weight block) persistent programs drift apart and gemm1 took 6.26 ms against 4.53 (H100, ncu,
+    # 2026-12-06); the hardware's in-order launch keeps the two tiles of a weight block running together
+    gemm1[(max_tiles * triton.cdiv(inter, 128),)](
+        _desc(x_sorted, bm), xs, _desc(w.reshape(-1, hidden), 256 if gated else 128), ws,
+        bias if bias is not None else offs, sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs, hidden, inter,
+        top_k, alpha, limit, GATED=gated, ACT=act, HAS_BIAS=bias is not None, GROUP_M=group_m, STAGES=stages,
+        num_warps=WARPS)
 
 
 def launch_gemm2(h, hs, w, ws, offs, tile_expert, tile_row, num_tiles, y, *, hidden, inter, max_tiles, cfg):
@@ -304,6 +355,6 @@ def launch_gemm2(h, hs, w, ws, offs, tile_expert, tile_row, num_tiles, y, *, hid
     bm, bn, stages, group_m = cfg
     if bm not in (64, 128) or bn not in (128, 256):
         raise ValueError(f"gluon FP8 gemm2: 64 or 128 token rows, 128 or 256 columns, got BM {bm}, BN {bn}")
-    grid = (max_tiles * triton.cdiv(hidden, bn),)
-    gemm2[grid](_desc(h, bm), hs, _desc(w.reshape(-1, inter), bn), ws, offs, tile_expert, tile_row, num_tiles, y,
-                hidden, inter, max_tiles, GROUP_M=group_m, STAGES=stages, num_warps=WARPS)
+    gemm2[_grid(y, max_tiles * triton.cdiv(hidden, bn))](
+        _desc(h, bm), hs, _desc(w.reshape(-1, inter), bn), ws, offs, tile_expert, tile_row, num_tiles, y, hidden,
+        inter, GROUP_M=group_m, STAGES=stages, num_warps=WARPS)

@@ -62,7 +62,7 @@ def _configs(cls):
 
 # the warp-specialized FP8 kernels (runtime/kernels/gluon_fp8.py): 128 token rows (two MMA warpgroups) with w2 blocks
 # of 128 and 256 columns, and 64 (one): the same products, promotion and epilogue in the same K order as the Triton
-# wgmma tile the plan runs up to 256 rows an expert, so the same bits
+# wgmma tile the plan runs up to 64 rows an expert, so the same bits
 FP8_TRITON = ((64, 128, 128, 8, 3, 8), (64, 128, 128, 4, 4, 8))
 FP8_OVERLAP = (((128, 128, 128, 8, 4, 8, False, True), (128, 128, 128, 8, 4, 8, False, True)),
                ((128, 128, 128, 8, 3, 8, False, True), (128, 256, 128, 8, 3, 8, False, True)),
