@@ -51,9 +51,20 @@ def _acc_layout(n):
 
 @gluon.jit
 def _work(num_tiles_ptr, num_n):
-    """This program's first work item, the stride between its items and their end: the kernel is persistent, each
-    program takes every num_programs-th (token tile, weight block) of the call's tiles."""
-    return gl.program_id(0), gl.num_programs(0), gl.load(num_tiles_ptr) * num_n
+    """This program's first work item, the stride between its items, their end and the call's count of token
+    tiles: each program takes every num_programs-th (token tile, weight block) of the call."""
+    num_tiles = gl.load(num_tiles_ptr)
+    return gl.program_id(0), gl.num_programs(0), num_tiles * num_n, num_tiles
+
+
+@gluon.jit
+def _item_rows(item, num_tiles, num_n, GROUP_M: gl.constexpr, ROW0: gl.constexpr, tile_expert_ptr, tile_row_ptr,
+               offs_ptr, acc_layout: gl.constexpr):
+    """(weight block, expert, rows, row mask) of work item `item` for the warpgroup of rows ROW0.. of its tile."""
+    pid_m, pid_n = _program(item, num_tiles, num_n, GROUP_M)
+    e, rows, rmask = _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr,
+                           ROW0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout)))
+    return pid_n, e, rows, rmask
 
 
 @gluon.jit
@@ -61,8 +72,7 @@ def _loads(x_desc, w_desc, x_smem, w_smem, full, empty, tile_expert_ptr, tile_ro
            expert_rows, steps, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """The load warp: the i-th K step of this program (over all its work items) into slot i % STAGES once the MMA
     warpgroups freed it, so the next item's first blocks load during this item's last products and epilogue."""
-    first, stride, end = _work(num_tiles_ptr, num_n)
-    num_tiles = gl.load(num_tiles_ptr)
+    first, stride, end, num_tiles = _work(num_tiles_ptr, num_n)
     i = 0
     for item in range(first, end, stride):
         pid_m, pid_n = _program(item, num_tiles, num_n, GROUP_M)
@@ -195,13 +205,11 @@ def _gemm1_rows(ROW0: gl.constexpr, x_smem, w_smem, full, empty, xs_ptr, ws_ptr,
     ib_count = INTER // BK
     col = gl.arange(0, NW, layout=gl.SliceLayout(0, acc_layout))
     plane = (col // 8) % 2 if GATED else col * 0
-    first, stride, end = _work(num_tiles_ptr, ib_count)
-    num_tiles = gl.load(num_tiles_ptr)
+    first, stride, end, num_tiles = _work(num_tiles_ptr, ib_count)
     i0 = 0
     for item in range(first, end, stride):
-        pid_m, pid_n = _program(item, num_tiles, ib_count, GROUP_M)
-        e, rows, rmask = _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr,
-                               ROW0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout)))
+        pid_n, e, rows, rmask = _item_rows(item, num_tiles, ib_count, GROUP_M, ROW0, tile_expert_ptr, tile_row_ptr,
+                                           offs_ptr, acc_layout)
         tok = (gl.load(sorted_pair_ptr + rows) // TOP_K).to(gl.int64)
         # s13 [n, planes, I/128, H/128]: the block's 128 channels are one scale block of each plane
         gate = ws_ptr + ((e * (2 if GATED else 1)) * ib_count + pid_n) * kb_count
@@ -268,13 +276,11 @@ def _gemm2_rows(ROW0: gl.constexpr, x_smem, w_smem, full, empty, hs_ptr, ws_ptr,
     kb_count = INTER // BK
     plane = gl.arange(0, NW, layout=gl.SliceLayout(0, acc_layout)) * 0
     num_n = gl.cdiv(H, BN)
-    first, stride, end = _work(num_tiles_ptr, num_n)
-    num_tiles = gl.load(num_tiles_ptr)
+    first, stride, end, num_tiles = _work(num_tiles_ptr, num_n)
     i0 = 0
     for item in range(first, end, stride):
-        pid_m, pid_n = _program(item, num_tiles, num_n, GROUP_M)
-        e, rows, rmask = _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr,
-                               ROW0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_layout)))
+        pid_n, e, rows, rmask = _item_rows(item, num_tiles, num_n, GROUP_M, ROW0, tile_expert_ptr, tile_row_ptr,
+                                           offs_ptr, acc_layout)
         # s2 [n, H/128, I/128]: each 128 columns of the block are one scale block
         blk0 = ws_ptr + (e * (H // BK) + (pid_n * BN) // BK) * kb_count
         blk1 = ws_ptr + (e * (H // BK) + gl.minimum((pid_n * BN) // BK + 1, H // BK - 1)) * kb_count \
