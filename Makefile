@@ -43,4 +43,4 @@ check: setup
 
 bench: setup
 	$(VPY) bench/toolchain.py
-	@echo "GPU benchmarks run on an H200: python3 bench/moe_layer.py, python3 bench/router.py and python3 bench/build.py; on two GPUs: python3 bench/layouts.py (see BENCHMARKS.md)"
+	@echo "GPU benchmarks run on an H200: python3 bench/moe_layer.py, python3 bench/ncu_cells.py, python3 bench/router.py and python3 bench/build.py; on two GPUs: python3 bench/layouts.py (see BENCHMARKS.md)"
