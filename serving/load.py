@@ -202,12 +202,13 @@ class Builds:
         return facts_module, name, selection, pick_build(self.index, facts, sm, parallel, layout, selection, mode)
 
     def check_draft(self, model, sm, parallel="tp1", moe_config=None, speculative_config=None, checkpoint_name=None,
-                    mode="auto", draft_checkpoint=None):
-        """What `load_model(checkpoint=<a folder>, ...)` with these arguments refuses of its draft's folder, checked
-        before anything is built or read (a launcher checks it before its ranks start): a draft that keeps its weights
-        in a folder of its own without `draft_checkpoint`, or a `draft_checkpoint` whose config.json describes another
-        drafter (serving.config_check.check_draft_config). Returns None when the chosen build loads a draft, else why
-        it decodes without one (then nothing reads `draft_checkpoint`)."""
+                    mode="auto", draft_checkpoint=None, num_layers=None):
+        """What `load_model(checkpoint=<a folder>, ...)` with these arguments refuses of its draft, checked before
+        anything is built or read (a launcher checks it before its ranks start), in the order load_model refuses it: a
+        `draft_checkpoint` whose config.json describes another drafter (serving.config_check.check_draft_config), a
+        draft that reads the outputs of target layers `num_layers` cuts away, a draft that keeps its weights in a
+        folder of its own without `draft_checkpoint`. Returns None when the chosen build loads a draft, else why it
+        decodes without one (then nothing reads `draft_checkpoint`)."""
         facts_module, _, selection, chosen = self._choose(model, sm, parallel, moe_config, speculative_config, None,
                                                           checkpoint_name, mode)
         if selection.spec_mode is None:
@@ -215,12 +216,20 @@ class Builds:
         held, why = self._held_draft(model, chosen, selection.spec_mode)
         if held is None:
             return why
-        if draft_checkpoint is None:
-            self._refuse_without_own_folder(held.kind, model)
-        else:
+        if draft_checkpoint is not None:
             from serving.config_check import check_draft_config
 
             check_draft_config(facts_module, held.module.DRAFT, draft_checkpoint)
+        from runtime.causal_lm import check_num_layers
+
+        total = self.target_layers(model)
+        try:
+            kept = total if num_layers is None else check_num_layers(num_layers, total, model)
+        except (TypeError, ValueError):
+            kept = total  # a count out of range is refused on its own (--num-layers, or the target build's construction)
+        self._refuse_unkept_aux(held, model, kept)
+        if draft_checkpoint is None:
+            self._refuse_without_own_folder(held.kind, model)
         return None
 
     def _held_draft(self, model, chosen, mode):
@@ -238,6 +247,18 @@ class Builds:
         if generic is None or mode not in generic["modes"]:
             return None, f"the generic build of {model} constructs no draft for mode {mode!r}: decoded with the target alone"
         return HeldDraft(generic["kind"], self.module(generic["module"])), None
+
+    @staticmethod
+    def _refuse_unkept_aux(held: HeldDraft, model, kept: int) -> None:
+        """SelectionError when the held draft (an Eagle3 head) reads the outputs of target layers that a build of the
+        first `kept` decoder layers cuts away. Read off the draft's class, not a built draft: a launcher refuses it
+        before any rank starts, a rank before it allocates the draft."""
+        aux, kind = tuple(getattr(held.module.DRAFT_CLASS, "AUX_LAYERS", ())), held.kind
+        if aux and max(aux) >= kept:
+            from registry.errors import SelectionError
+
+            raise SelectionError(f"the {kind} draft of {model} reads the outputs of target layers {', '.join(map(str, aux))}; "
+                                 f"num_layers={kept} keeps layers 0 to {kept - 1}: pass num_layers={max(aux) + 1} or more")
 
     def _refuse_without_own_folder(self, kind, model) -> None:
         """SelectionError for a draft of `kind` loaded from a checkpoint without a folder of its own, unless it is an
@@ -267,13 +288,8 @@ class Builds:
 
             # The draft's own folder, before the draft allocates its parameters (an external drafter's config).
             check_draft_config(self.facts(model), module.DRAFT, draft_checkpoint)
+        self._refuse_unkept_aux(held, model, len(target.model.layers))
         draft = build()
-        aux, kept = tuple(getattr(draft, "AUX_LAYERS", ())), len(target.model.layers)
-        if aux and max(aux) >= kept:
-            from registry.errors import SelectionError
-
-            raise SelectionError(f"the {kind} draft of {model} reads the outputs of target layers {', '.join(map(str, aux))}; "
-                                 f"num_layers={kept} keeps layers 0 to {kept - 1}: pass num_layers={max(aux) + 1} or more")
         own = draft_checkpoint
         if own is None and checkpoint is not None:
             self._refuse_without_own_folder(kind, model)

@@ -42,9 +42,9 @@ class Launcher:
 
         Under a `spec_mode`, the draft that `load_model(..., moe_config, mode)` builds is checked as the ranks'
         load_model would check it (`Builds.check_draft`; the run reads a folder, `checkpoint` or the one --tiny
-        writes): refused when it keeps its weights in a folder of its own and `draft_checkpoint` is None, or when
-        `draft_checkpoint`'s config.json describes another drafter; a `draft_checkpoint` no draft would read is
-        refused too."""
+        writes): refused when it keeps its weights in a folder of its own and `draft_checkpoint` is None, when
+        `draft_checkpoint`'s config.json describes another drafter, or when it reads the outputs of target layers
+        `num_layers` cuts away; a `draft_checkpoint` no draft would read is refused too."""
         from registry.errors import MoegenError
         from registry.model import facts_from_literal, layout_of
         from registry.model_resolve import resolve_model
@@ -64,7 +64,8 @@ class Launcher:
         if spec_mode is not None:
             try:
                 unread = self.builds.check_draft(model, sm, parallel, moe_config=moe_config, speculative_config={"mode": spec_mode},
-                                                 checkpoint_name=name, mode=mode, draft_checkpoint=draft_checkpoint)
+                                                 checkpoint_name=name, mode=mode, draft_checkpoint=draft_checkpoint,
+                                                 num_layers=num_layers)
             except MoegenError as e:
                 raise ValueError(str(e)) from None
             if unread is not None and draft_checkpoint is not None:

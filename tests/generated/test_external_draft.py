@@ -126,17 +126,6 @@ def folders(tmp_path_factory):
     return Path(target), Path(_drafter_folder(root / "drafter"))
 
 
-@pytest.fixture
-def no_ranks(monkeypatch):
-    """Any rank the launcher starts fails the test: a refusal must come before any rank starts."""
-    from runtime import launch
-
-    def started(*args, **kwargs):
-        raise AssertionError("a rank started")
-
-    monkeypatch.setattr(launch, "launch", started)
-
-
 def test_the_launcher_decodes_with_the_drafter_folder_it_is_given(folders, capsys):
     from generated import run
 

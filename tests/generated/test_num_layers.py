@@ -9,6 +9,8 @@ layer at the full model's index), and its speculative greedy output is the cut t
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import pytest
 
@@ -113,13 +115,45 @@ def test_the_embedded_mtp_draft_of_a_cut_build_reads_its_layer_where_it_lives(mo
     builds.assert_greedy_equal_up_to_ties(model, model.generate(prompt, 8, speculative=3).tokens, expected)
 
 
+EAGLE3_CUT = ("the eagle3 draft of tiny_qwen3_moe reads the outputs of target layers 0, 0, 1; "
+              "num_layers=1 keeps layers 0 to 0: pass num_layers=2 or more")
+
+
 def test_an_eagle3_draft_reading_a_layer_the_cut_drops_is_refused():
     from registry.errors import SelectionError
 
     with pytest.raises(SelectionError) as e:
         load_model("tiny_qwen3_moe", 120, speculative_config={"mode": "eagle3"}, num_layers=1)
-    assert str(e.value) == ("the eagle3 draft of tiny_qwen3_moe reads the outputs of target layers 0, 0, 1; "
-                            "num_layers=1 keeps layers 0 to 0: pass num_layers=2 or more")
+    assert str(e.value) == EAGLE3_CUT
+
+
+def test_check_draft_refuses_such_a_draft_from_its_class_without_building_it(monkeypatch, tmp_path):
+    from registry.errors import SelectionError
+    from serving.load import Builds
+
+    def built(*args, **kwargs):
+        raise AssertionError("the draft was built")
+
+    monkeypatch.setattr(builds.load("generated.tiny_qwen3_moe.tiny_qwen3_moe_bf16__sm_120__tp1.draft").DRAFT_CLASS,
+                        "__init__", built)
+    check = functools.partial(Builds("generated").check_draft, "tiny_qwen3_moe", 120, speculative_config={"mode": "eagle3"},
+                              draft_checkpoint=str(tmp_path))
+    with pytest.raises(SelectionError) as e:
+        check(num_layers=1)
+    assert str(e.value) == EAGLE3_CUT
+    # 0 and 3 are out of range: refused by the count's own check (the launcher's --num-layers, the target build's), not here.
+    for num_layers in (None, 2, 0, 3):
+        assert check(num_layers=num_layers) is None
+
+
+@pytest.mark.parametrize("draft_folder", [True, False])
+def test_the_launcher_refuses_an_eagle3_draft_reading_a_layer_the_cut_drops_before_any_rank_starts(
+        capsys, tmp_path, no_ranks, draft_folder):
+    # Without a draft folder too: the ranks would refuse the cut before the missing folder, and so does the launcher.
+    own = ["--draft-checkpoint", str(tmp_path)] if draft_folder else []
+    args = ["--model", "tiny_qwen3_moe", "--sm", "120", "--tiny", "--generate", "4", "--spec-mode", "eagle3", *own]
+    assert run.main([*args, "--num-layers", "1"]) == 2
+    assert capsys.readouterr().err.strip() == f"python -m generated.run: error: {EAGLE3_CUT}"
 
 
 def test_the_launcher_runs_a_cut_build_and_refuses_a_bad_count(capsys, tmp_path):
