@@ -10,8 +10,7 @@ layouts as the CUPY class of the format (weights stay packed: FP8 codes and bloc
 decoded to bf16 in the GEMMs' registers).
 
 Per prefill call, with no host synchronization (CUDA-graph capturable): `moe_align` (tiles of BM
-rows of one expert), FP8 only: `quant_fp8_rows` of the tokens (1x128 groups; for the warp-specialized
-Gluon GEMMs, which load rows by TMA, `gather_rows` then puts each pair's row in sorted order), `gemm1`
+rows of one expert), FP8 only: `quant_fp8_rows` of the tokens (1x128 groups), `gemm1`
 (token rows gathered in its loads, bias, activation, bf16 rounding and, for FP8, the 1x128 quantization
 of the intermediate in its epilogue), `gemm2` (bf16 rows), `moe_combine` (down bias, weights, fp32 sum).
 Triton is imported on the first prefill call only.
@@ -76,7 +75,7 @@ class _TritonGroupedExperts:
             raise ValueError(f"{self.IMPL_ID}: gemm1 quantizes the intermediate per 128 channels: BN must be 128")
         kern, stream, poison, x, ids, weights = launch
         inter, pairs = self.inter_size, tokens * top_k
-        max_tiles, offs, sorted_pair, sorted_expert, pair_pos, tile_expert, tile_row, num_tiles, total_ptr = \
+        max_tiles, offs, sorted_pair, sorted_expert, pair_pos, tile_expert, tile_row, num_tiles, _ = \
             self._route(kern, stream, ids, pairs, cfg1[0])
         a1, as1, hs = x, None, None
         if fp8:
@@ -84,12 +83,6 @@ class _TritonGroupedExperts:
             as1 = self._empty((tokens, hsize // 128), torch.float32, device, poison)
             kern.launch("quant_fp8_rows", (tokens,), (128,),
                         (_p(x), _p(None), _p(codes), _p(as1), _i(hsize), _i(K.AQ[self.FORMAT])), stream)
-            if T.reads_sorted_rows(fmt, cfg1):
-                # gluon_fp8 loads its token rows by TMA, which cannot gather: each pair's row in sorted order
-                rows = self._empty((pairs, hsize), torch.uint8, device, poison)
-                kern.launch("gather_rows", (pairs,), (128,),
-                            (_p(codes), _p(sorted_pair), total_ptr, _p(rows), _i(hsize // 2), _i(top_k)), stream)
-                codes = rows
             a1 = codes.view(torch.float8_e4m3fn)
             h = self._empty((pairs, inter), torch.uint8, device, poison).view(torch.float8_e4m3fn)
             hs = self._empty((pairs, inter // 128), torch.float32, device, poison)
@@ -128,7 +121,8 @@ class TritonWgmmaFp8BlockScalesExperts(_TritonGroupedExperts, CupyMmaFp8BlockSca
     # warpgroups, gemm2 persistent): the same bits; against the 64-row tile 442 vs 462-464 us at Q 2048 (128 rows),
     # 1156-1179 vs 1376-1390 at Q 8192, 8945-9037 vs 11489-11670 at D 8192 (H100, 2026-12-06, BENCHMARKS.md); a
     # tie at D 2048 (64 rows). Its 64-row tile (one MMA warpgroup) was 35 % slower at Q 8192, w2 blocks of 256
-    # columns 3 % (they spill).
+    # columns 3 % (they spill). Its gemm1 gathers the token rows itself (cp.async): 4-6 % less time at Q 2048 and
+    # 8192 than putting them in sorted order first, none at D 8192 (H100, 2026-12-06).
     TRITON_MIN_ROWS = 2
     CONFIGS = ((16, ((16, 128, 128, 4, 4, 8), (16, 128, 128, 4, 4, 8))),
                (64, ((64, 128, 128, 8, 3, 8), (64, 128, 128, 4, 4, 8))),

@@ -1,27 +1,21 @@
-"""Gluon grouped GEMMs of the FP8 TRITON experts: a TMA load warp feeds one wgmma warpgroup per 64 token rows.
+"""Gluon grouped GEMMs of the FP8 TRITON experts: loads warp-specialized, one wgmma warpgroup per 64 token rows.
 
-With 128x128 weight-block scales and 1x128 activation scales, each 128-element K block's product is scaled
-and added to the fp32 accumulator on its own (DeepSeek's recipe). The Triton kernels (triton_grouped.py)
-run both warpgroups in step: wait for the block's wgmma, only then load its scales (a gathered global load
-and a layout conversion through shared memory), promote, meet at a barrier; the tensor cores idle through
-the load latency and the promotion of every block (0.39 of the FP8 peak inside the GEMMs, BENCHMARKS.md).
-Here the kernel is warp-specialized: one warp only issues TMA loads into a ring of STAGES slots (full/empty
-mbarriers), and each MMA warpgroup is a partition of its own, so the two of a 128-row tile never meet inside
-the K loop and one promotes while the other's wgmma runs. Each multiplies the weight block 64 columns at a
-time (a product of 32 registers a thread beside the block's 128 of accumulators), so ptxas overlaps the
-promotion of one part with the next part's wgmma; scales are loaded a step ahead. Token rows come by TMA
-too, so gemm1 reads its rows already in sorted order (the caller gathers the FP8 codes first; their scales
-are still read through the routing).
+With 128x128 weight-block scales and 1x128 activation scales, each 128-element K block's product is scaled and added
+to the fp32 accumulator on its own (DeepSeek's recipe). The Triton kernels (triton_grouped.py) run both warpgroups in
+step and idle the tensor cores through each block's scale loads and promotion (BENCHMARKS.md). Here a load partition
+fills a ring of STAGES slots (full/empty mbarriers) and each MMA warpgroup is a partition of its own, so one promotes
+while the other's wgmma runs; each multiplies the weight block 64 columns at a time (32 product registers beside 128
+of accumulators), so ptxas overlaps one part's promotion with the next part's wgmma; scales load a step ahead.
+Weight blocks come by TMA; so do gemm2's token rows (h, already in sorted order), from one load warp. gemm1's are
+gathered through the routing from the FP8 codes in token order by a load warpgroup's cp.async (TMA on sm_90 cannot
+gather rows), so no pass writes them again in sorted order.
 
 Work items are (token tile, weight block) pairs. gemm2 is persistent: a program per multiprocessor takes every
-num_programs-th item, and the load warp runs on into its next item, so that item's first K steps load while the
-MMA warpgroups finish and store this one (gemm2 has only I / 128 K steps: at Q 6, and waiting for the first
-loads of each tile cost a quarter of its time). gemm1 keeps a program per item (see launch_gemm1).
-
-Tiles: 128 token rows (two MMA warpgroups sharing the weight block) or 64 (one); gemm1's block is 128
-channels (gate and up interleaved by 8: 256 w13 rows), the 1x128 quantization group of its FP8 output,
-gemm2's 128 or 256 output columns. Same products in the same K order, promotion expression, activation
-and quantization as triton_grouped's FP8 path.
+num_programs-th item, its load warp running on into the next item while the MMA warpgroups store this one. gemm1
+keeps a program per item (see launch_gemm1). Tiles: 128 token rows (two MMA warpgroups) or 64 (one); gemm1's block
+is 128 channels (gate and up interleaved by 8: 256 w13 rows), the 1x128 quantization group of its FP8 output;
+gemm2's 128 or 256 output columns. Same products in the same K order, promotion, activation and quantization as
+triton_grouped's FP8 path.
 """
 from __future__ import annotations
 
@@ -31,6 +25,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -40,7 +35,8 @@ from .triton_grouped import _activate, _fp8_codes, _fp8_scale, _gate_up, _progra
 
 BK = gl.constexpr(128)   # a K step is one scale block
 NW = gl.constexpr(64)    # columns of one product: four products cover 256 weight rows, two 128
-WARPS = 4   # a warpgroup for each 64 token rows of a tile; one more warp loads
+WARPS = 4   # a warpgroup for each 64 token rows of a tile; one more warp loads (gemm2) or GATHER_WARPS (gemm1)
+GATHER_WARPS = gl.constexpr(4)   # gemm1's loads: a thread for each 16 bytes of 8 of the tile's rows (at 128 rows)
 
 
 @constexpr_function
@@ -51,8 +47,7 @@ def _acc_layout(n):
 
 @gluon.jit
 def _work(num_tiles_ptr, num_n):
-    """This program's first work item, the stride between its items, their end and the call's count of token
-    tiles: each program takes every num_programs-th (token tile, weight block) of the call."""
+    """(first item, stride, end, the call's token tiles): each program takes every num_programs-th item."""
     num_tiles = gl.load(num_tiles_ptr)
     return gl.program_id(0), gl.num_programs(0), num_tiles * num_n, num_tiles
 
@@ -87,10 +82,43 @@ def _loads(x_desc, w_desc, x_smem, w_smem, full, empty, tile_expert_ptr, tile_ro
             i += 1
 
 
+@constexpr_function
+def _gather_layout():
+    """A [rows, 128] block of FP8 codes: 16 bytes a copy, 8 threads along a row, the load warpgroup down the rows."""
+    return gl.BlockedLayout([1, 16], [4, 8], [GATHER_WARPS.value, 1], [1, 0])
+
+
+@gluon.jit
+def _gather_loads(x_ptr, w_desc, x_smem, w_smem, full, empty, sorted_pair_ptr, offs_ptr, tile_expert_ptr,
+                  tile_row_ptr, num_tiles_ptr, num_n, expert_rows, H, TOP_K, steps, GROUP_M: gl.constexpr,
+                  STAGES: gl.constexpr):
+    """gemm1's load warpgroup: K step i into slot i % STAGES once freed, the weight block by TMA, each token row by
+    cp.async from x (FP8 codes in token order, int32 offsets); each thread arrives on `full` once its copies landed."""
+    BM: gl.constexpr = x_smem.shape[1]
+    layout: gl.constexpr = _gather_layout()
+    first, stride, end, num_tiles = _work(num_tiles_ptr, num_n)
+    i = 0
+    for item in range(first, end, stride):
+        pid_m, pid_n = _program(item, num_tiles, num_n, GROUP_M)
+        e, rows, rmask = _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr,
+                               gl.arange(0, BM, layout=gl.SliceLayout(1, layout)))
+        # rows past the tile's end read its last row (_tile): the copies need no mask
+        tok = gl.load(sorted_pair_ptr + rows) // TOP_K
+        src = tok[:, None] * H + gl.arange(0, BK, layout=gl.SliceLayout(0, layout))[None, :]
+        w_row0 = (e * expert_rows + pid_n * w_desc.block_type.shape[0]).to(gl.int32)
+        for k in range(steps):
+            slot = i % STAGES
+            mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)   # the first round finds every slot free
+            mbarrier.expect(full.index(slot), w_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [w_row0, k * BK], full.index(slot), w_smem.index(slot))
+            async_copy.async_copy_global_to_shared(x_smem.index(slot), x_ptr + (src + k * BK))
+            async_copy.mbarrier_arrive(full.index(slot), increment_count=False)
+            i += 1
+
+
 @gluon.jit
 def _scales(xs_ptrs, p00, p01, p10, p11, k, steps):
-    """K step k's scales (clamped to the last step): of each token row, and of the weight blocks of each half's
-    two column planes."""
+    """K step k's scales (clamped to the last): of each token row, of each half's two column planes' blocks."""
     kc = gl.minimum(k, steps - 1)
     return gl.load(xs_ptrs + kc), gl.load(p00 + kc), gl.load(p01 + kc), gl.load(p10 + kc), gl.load(p11 + kc)
 
@@ -105,11 +133,11 @@ def _part(a, w, q: gl.constexpr, t, acc, xs, s0, s1, plane):
 
 @gluon.jit
 def _k_loop(x_smem, w_smem, full, empty, i0, ROW0: gl.constexpr, xs_ptrs, p00, p01, p10, p11, plane, steps,
-            PARTS: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup's 64 token rows (from ROW0 of the tile) times the weight block, NW columns at a time (PARTS
-    of them, 2 or 4): per K step each part's product (use_acc off) promoted into its accumulator. The first
-    half of the parts takes the scales (p00, p01) of its column planes (`plane` 0 or 1), the second half (p10,
-    p11). The item's K steps are this program's i0-th and on (_loads' ring order)."""
+            PARTS: gl.constexpr, STAGES: gl.constexpr, GATHERED: gl.constexpr):
+    """One warpgroup's 64 token rows (from ROW0 of the tile) x the weight block, NW columns a part (PARTS: 2 or 4):
+    per K step (this program's i0-th on) each part's product promoted into its accumulator, the first half of the
+    parts with the scales (p00, p01) of its column plane (`plane`), the second half (p10, p11). GATHERED: cp.async
+    wrote the token rows (generic proxy); the wgmma (async proxy) reads them after a proxy fence."""
     acc_layout: gl.constexpr = _acc_layout(NW)
     acc0 = gl.zeros([64, NW], gl.float32, acc_layout)
     acc1 = gl.zeros([64, NW], gl.float32, acc_layout)
@@ -121,6 +149,8 @@ def _k_loop(x_smem, w_smem, full, empty, i0, ROW0: gl.constexpr, xs_ptrs, p00, p
         slot = (i0 + k) % STAGES
         nxt = _scales(xs_ptrs, p00, p01, p10, p11, k + 1, steps)
         mbarrier.wait(full.index(slot), ((i0 + k) // STAGES) & 1)
+        if GATHERED:
+            fence_async_shared()
         a = x_smem.index(slot).slice(ROW0, 64)
         w = w_smem.index(slot)
         if PARTS == 2:
@@ -138,16 +168,17 @@ def _k_loop(x_smem, w_smem, full, empty, i0, ROW0: gl.constexpr, xs_ptrs, p00, p
 
 
 @gluon.jit
-def _rings(x_desc, w_desc, STAGES: gl.constexpr):
-    """The shared-memory rings of token and weight blocks and their full/empty barriers (each MMA warpgroup, one for
-    every 64 token rows, frees a slot)."""
-    x_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+def _rings(BM: gl.constexpr, w_desc, STAGES: gl.constexpr, FULL_ARRIVALS: gl.constexpr):
+    """The rings of [BM, 128] token and weight blocks, with barriers: a slot is full after FULL_ARRIVALS arrivals
+    and its bytes, free once each MMA warpgroup (one each 64 token rows) let it go."""
+    x_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BK], gl.float8e4nv)
+    x_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BM, BK], x_layout)
     w_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
-        mbarrier.init(full.index(s), count=1)
-        mbarrier.init(empty.index(s), count=x_desc.block_type.shape[0] // 64)
+        mbarrier.init(full.index(s), count=FULL_ARRIVALS)
+        mbarrier.init(empty.index(s), count=BM // 64)
     fence_async_shared()
     return x_smem, w_smem, full, empty
 
@@ -215,7 +246,7 @@ def _gemm1_rows(ROW0: gl.constexpr, x_smem, w_smem, full, empty, xs_ptr, ws_ptr,
         gate = ws_ptr + ((e * (2 if GATED else 1)) * ib_count + pid_n) * kb_count
         up = gate + ib_count * kb_count if GATED else gate
         acc0, acc1, acc2, acc3 = _k_loop(x_smem, w_smem, full, empty, i0, ROW0, xs_ptr + tok * kb_count, gate, up,
-                                         gate, up, plane, kb_count, N // NW, STAGES)
+                                         gate, up, plane, kb_count, N // NW, STAGES, True)
         i0 += kb_count
         # the intermediate, then its quantization per row of the block's 128 channels
         b = bias_ptr + e * n1 + pid_n * N
@@ -239,15 +270,16 @@ def _gemm1_rows(ROW0: gl.constexpr, x_smem, w_smem, full, empty, xs_ptr, ws_ptr,
 
 
 @gluon.jit
-def gemm1(x_desc, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr,
-          num_tiles_ptr, h_ptr, hs_ptr, H, INTER, TOP_K, alpha, limit, GATED: gl.constexpr, ACT: gl.constexpr,
-          HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
-    """h (FP8, 1x128 scales hs) = act(gate, up) of tiles of 64 or 128 sorted token rows (x_desc: the FP8 codes
-    gathered into sorted order; xs_ptr: their scales in token order), 128 channels a block."""
-    x_smem, w_smem, full, empty = _rings(x_desc, w_desc, STAGES)
-    loads = (x_desc, w_desc, x_smem, w_smem, full, empty, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
-             INTER // 128, INTER * (2 if GATED else 1), H // BK, GROUP_M, STAGES)
-    if x_desc.block_type.shape[0] == 128:
+def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr,
+          num_tiles_ptr, h_ptr, hs_ptr, H, INTER, TOP_K, alpha, limit, BM: gl.constexpr, GATED: gl.constexpr,
+          ACT: gl.constexpr, HAS_BIAS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr):
+    """h (FP8, 1x128 scales hs) = act(gate, up) of tiles of BM (64 or 128) sorted token rows, gathered from the FP8
+    codes x and scales xs in token order, 128 channels a block."""
+    # a slot is full once the weight block's bytes came (the TMA's arrival) and every load thread's copies landed
+    x_smem, w_smem, full, empty = _rings(BM, w_desc, STAGES, 1 + 32 * GATHER_WARPS)
+    loads = (x_ptr, w_desc, x_smem, w_smem, full, empty, sorted_pair_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr,
+             num_tiles_ptr, INTER // 128, INTER * (2 if GATED else 1), H, TOP_K, H // BK, GROUP_M, STAGES)
+    if BM == 128:
         gl.warp_specialize([
             (_gemm1_rows, (0, x_smem, w_smem, full, empty, xs_ptr, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr,
                            tile_expert_ptr, tile_row_ptr, num_tiles_ptr, h_ptr, hs_ptr, H, INTER, TOP_K, alpha, limit,
@@ -255,15 +287,15 @@ def gemm1(x_desc, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, t
             (_gemm1_rows, (64, x_smem, w_smem, full, empty, xs_ptr, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr,
                            tile_expert_ptr, tile_row_ptr, num_tiles_ptr, h_ptr, hs_ptr, H, INTER, TOP_K, alpha, limit,
                            GATED, ACT, HAS_BIAS, GROUP_M, STAGES)),
-            (_loads, loads),
-        ], [4, 1], [240, 24])
+            (_gather_loads, loads),
+        ], [4, GATHER_WARPS], [240, 24])
     else:
         gl.warp_specialize([
             (_gemm1_rows, (0, x_smem, w_smem, full, empty, xs_ptr, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr,
                            tile_expert_ptr, tile_row_ptr, num_tiles_ptr, h_ptr, hs_ptr, H, INTER, TOP_K, alpha, limit,
                            GATED, ACT, HAS_BIAS, GROUP_M, STAGES)),
-            (_loads, loads),
-        ], [1], [24])
+            (_gather_loads, loads),
+        ], [GATHER_WARPS], [24])
 
 
 @gluon.jit
@@ -286,7 +318,7 @@ def _gemm2_rows(ROW0: gl.constexpr, x_smem, w_smem, full, empty, hs_ptr, ws_ptr,
         blk1 = ws_ptr + (e * (H // BK) + gl.minimum((pid_n * BN) // BK + 1, H // BK - 1)) * kb_count \
             if BN == 256 else blk0
         acc0, acc1, acc2, acc3 = _k_loop(x_smem, w_smem, full, empty, i0, ROW0, hs_ptr + rows.to(gl.int64) * kb_count,
-                                         blk0, blk0, blk1, blk1, plane, kb_count, BN // NW, STAGES)
+                                         blk0, blk0, blk1, blk1, plane, kb_count, BN // NW, STAGES, False)
         i0 += kb_count
         col0 = pid_n * BN
         _store(y_ptr, acc0.to(gl.bfloat16), rows, rmask, col0, H, 8)
@@ -301,7 +333,7 @@ def gemm2(h_desc, hs_ptr, w_desc, ws_ptr, offs_ptr, tile_expert_ptr, tile_row_pt
           GROUP_M: gl.constexpr, STAGES: gl.constexpr):
     """y rows (bf16, sorted order) = tiles of 64 or 128 FP8 h rows x w2 rows (BN = the weight block's rows, 128
     or 256)."""
-    x_smem, w_smem, full, empty = _rings(h_desc, w_desc, STAGES)
+    x_smem, w_smem, full, empty = _rings(h_desc.block_type.shape[0], w_desc, STAGES, 1)
     loads = (h_desc, w_desc, x_smem, w_smem, full, empty, tile_expert_ptr, tile_row_ptr, num_tiles_ptr,
              gl.cdiv(H, w_desc.block_type.shape[0]), H, INTER // BK, GROUP_M, STAGES)
     if h_desc.block_type.shape[0] == 128:
@@ -337,22 +369,24 @@ def _desc(t2d, rows):
     return TensorDescriptor.from_tensor(t2d, [rows, 128], layout)
 
 
-def launch_gemm1(x_sorted, xs, w, ws, bias, sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs, *, hidden,
-                 inter, top_k, max_tiles, alpha, limit, gated, act, cfg):
-    """gemm1 over FP8 w13 [n, N1, H] (gate/up interleaved by 8) and its block scales ws; x_sorted [pairs, H]: the
-    FP8 codes of each routed pair's token in sorted order, xs [tokens, H / 128] their scales in token order;
-    cfg = (BM, STAGES, GROUP_M): 64 or 128 token rows, blocks of 128 channels."""
+def launch_gemm1(x, xs, w, ws, bias, sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs, *, hidden, inter,
+                 top_k, max_tiles, alpha, limit, gated, act, cfg):
+    """gemm1 over FP8 w13 [n, N1, H] (gate/up interleaved by 8) and its block scales ws; x [tokens, H]: the FP8
+    codes of the tokens, xs [tokens, H / 128] their scales, both in token order (the kernel gathers each routed
+    pair's row); cfg = (BM, STAGES, GROUP_M): 64 or 128 token rows, blocks of 128 channels."""
     bm, stages, group_m = cfg
     if bm not in (64, 128):
         raise ValueError(f"gluon FP8 gemm1: 64 or 128 token rows (one MMA warpgroup each 64), got {bm}")
+    if x.numel() >= 2**31:
+        raise ValueError(f"gluon FP8 gemm1 gathers token rows at 32-bit offsets: {x.shape[0]} tokens of {hidden} "
+                         f"codes are 2^31 bytes or more; call it on fewer tokens at a time")
     # a program for each work item, not one a multiprocessor: at the D shape (56 K steps, two tiles an expert
     # sharing each weight block) persistent programs drift apart and gemm1 took 6.26 ms against 4.53 (H100, ncu,
     # 2026-12-06); the hardware's in-order launch keeps the two tiles of a weight block running together
     gemm1[(max_tiles * triton.cdiv(inter, 128),)](
-        _desc(x_sorted, bm), xs, _desc(w.reshape(-1, hidden), 256 if gated else 128), ws,
-        bias if bias is not None else offs, sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs, hidden, inter,
-        top_k, alpha, limit, GATED=gated, ACT=act, HAS_BIAS=bias is not None, GROUP_M=group_m, STAGES=stages,
-        num_warps=WARPS)
+        x, xs, _desc(w.reshape(-1, hidden), 256 if gated else 128), ws, bias if bias is not None else offs,
+        sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs, hidden, inter, top_k, alpha, limit, BM=bm,
+        GATED=gated, ACT=act, HAS_BIAS=bias is not None, GROUP_M=group_m, STAGES=stages, num_warps=WARPS)
 
 
 def launch_gemm2(h, hs, w, ws, offs, tile_expert, tile_row, num_tiles, y, *, hidden, inter, max_tiles, cfg):

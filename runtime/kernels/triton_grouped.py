@@ -297,19 +297,12 @@ def _overlap_cfg(fmt, bm, bn, bk, warps, stages, group_m, packed):
                      f"and 4 warps each 64 token rows, got {fmt} {(bm, bn, bk, warps, stages, group_m, packed)}")
 
 
-def reads_sorted_rows(fmt, cfg) -> bool:
-    """Whether gemm1 of `cfg` takes the token rows already gathered into sorted order (gluon_fp8 loads them by TMA,
-    which cannot gather) instead of gathering them itself."""
-    return fmt == "fp8_block_scales" and _config(cfg)[7]
-
-
 def launch_gemm1(x, xs, w, ws, bias, sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs, *, hidden,
                  inter, top_k, max_tiles, alpha, limit, fmt, gated, act, cfg):
     """GEMM1 over w13 [n, N1, H] (gate/up interleaved) of weight format `fmt` (bf16, fp8_block_scales or
     w4a16_mxfp4; ws: its block scales); cfg = (BM, BN of h, BK, warps, stages[, GROUP_M[, packed[, overlap]]])
     (packed: the MXFP4 decode in bf16x2 pairs, `_fp4_pair_packed`; overlap: the gluon_w4 kernel, whose decode of a
-    K step overlaps the previous step's wgmma, or for FP8 gluon_fp8's, whose x holds the token rows already in
-    sorted order: `reads_sorted_rows`)."""
+    K step overlaps the previous step's wgmma, or for FP8 gluon_fp8's warp-specialized kernel)."""
     bm, bn, bk, warps, stages, group_m, packed, overlap = _config(cfg)
     if overlap and fmt == "fp8_block_scales":
         from . import gluon_fp8

@@ -208,3 +208,16 @@ def test_cuda_graph_capture_and_replay(tokens, tile):
     spec = MoeShape(384, 256, 8, 2, "swiglu_oai", expert_bias=True)
     module = _module(cls, spec, make_expert_tensors(spec, cls.FORMAT, seed=41, weight_std=3.0))
     assert_graph_replay_matches_eager(module, spec, tokens, path="triton", tile=tile)
+
+
+def test_gluon_fp8_gemm1_refuses_token_rows_past_32_bit_offsets():
+    """gemm1 gathers token rows at 32-bit offsets: an x of 2^31 codes or more is refused before any launch (an
+    expanded view: no memory behind it)."""
+    from runtime.kernels import gluon_fp8
+
+    x = torch.empty(1, 7168, dtype=torch.float8_e4m3fn, device="cuda").expand(2**31 // 7168 + 1, 7168)
+    with pytest.raises(ValueError) as err:
+        gluon_fp8.launch_gemm1(x, *[None] * 11, hidden=7168, inter=2048, top_k=8, max_tiles=1, alpha=1.0, limit=0.0,
+                               gated=True, act=0, cfg=(128, 4, 8))
+    assert str(err.value) == ("gluon FP8 gemm1 gathers token rows at 32-bit offsets: 299594 tokens of 7168 codes are "
+                              "2^31 bytes or more; call it on fewer tokens at a time")
