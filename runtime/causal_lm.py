@@ -4,7 +4,7 @@ A generated `modeling.py` states what is particular to its build (target, SM, la
 implementations, the layer plan, the tensors it does not read) and how one decoder layer is made
 (`Architecture`: its layer builders); `CausalLMBuild` does the rest the same way for every build: it
 refuses a device or a rank the build does not run on, joins the layout's process groups, constructs the
-checkpoint's `model.*` (`Backbone`) and `lm_head`, logs what it binds (RULES LR6), and loads. A
+checkpoint's `model.*` (`Backbone`) and `lm_head`, logs what it binds (RULES LR6), checks a checkpoint and loads it. A
 specialized build passes its constants; the generic build passes what it resolved at load (RULES GN1).
 Forward and decoding are `runtime.decoding.CausalLM`'s.
 """
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from runtime import build
-from runtime.checkpoint import CheckpointError, CheckpointReader, load_checkpoint
+from runtime.checkpoint import CheckpointError, CheckpointReader, check_checkpoint, load_checkpoint
 from runtime.decoding import CausalLM
 from runtime.ops import LMHead, VocabEmbedding
 from runtime.parallel import Layout, attach_layout
@@ -149,19 +149,32 @@ class CausalLMBuild(CausalLM):
         build.log_implementations(implementations)
 
     def load_checkpoint(self, path, progress=None):
-        """Read this rank's weights from an HF checkpoint folder (or an open `CheckpointReader`; a failed load changes nothing)."""
+        """Read this rank's weights from an HF checkpoint folder (or an open `CheckpointReader`; a failed load changes
+        nothing: it refuses what `check_checkpoint` refuses before the first copy)."""
         if not isinstance(path, CheckpointReader):
             with CheckpointReader(path) as reader:
                 return self.load_checkpoint(reader, progress)
+        self._refuse_fewer_layers(path)
+        return load_checkpoint(self, path, ignore=self.ignored_tensors, progress=progress, device=self.device)
+
+    def check_checkpoint(self, path) -> None:
+        """CheckpointError unless this rank's `load_checkpoint(path)` would find the folder (or open reader) fits:
+        from the headers only, so a build constructed on the meta device checks a folder without allocating."""
+        if not isinstance(path, CheckpointReader):
+            with CheckpointReader(path) as reader:
+                return self.check_checkpoint(reader)
+        self._refuse_fewer_layers(path)
+        check_checkpoint(self, path, ignore=self.ignored_tensors)
+
+    def _refuse_fewer_layers(self, reader: CheckpointReader) -> None:
         backbone, wanted = self._backbone, len(self.model.layers)
-        held = held_layers(path, backbone)
+        held = held_layers(reader, backbone)
         if 0 < held < wanted:
             # A checkpoint of fewer layers than the build (a smoke run's, a benchmark's): say so, not every missing tensor.
             span = f"{backbone}.layers.0" + (f" to {held - 1}" if held > 1 else "")
             raise CheckpointError(
-                f"{path.path} holds {held} decoder layer{'s' if held > 1 else ''} ({span}) but this build has {wanted}: "
+                f"{reader.path} holds {held} decoder layer{'s' if held > 1 else ''} ({span}) but this build has {wanted}: "
                 f"load it with num_layers={held} (or fewer), or a checkpoint of at least {wanted} layers")
-        return load_checkpoint(self, path, ignore=self.ignored_tensors, progress=progress, device=self.device)
 
     def init_random(self, seed=0):
         """Fresh seeded random weights (never zeros), for runs without a checkpoint."""

@@ -1,4 +1,4 @@
-"""The scaffold every generated `draft.py` extends: its placement and rank checks, layout, loading and random init (`DraftBuild`), and each draft kind's module.
+"""The scaffold every generated `draft.py` extends: its placement and rank checks, layout, checkpoint checks, loading and random init (`DraftBuild`), and each draft kind's module.
 
 A generated `draft.py` states what is particular to its draft (its target, SM and layout, the bound
 implementations, its layer table, the tensors it does not read) and passes them here; the draft kinds
@@ -18,7 +18,7 @@ from torch import nn
 
 from runtime import build
 from runtime.causal_lm import Architecture
-from runtime.checkpoint import load_checkpoint
+from runtime.checkpoint import check_checkpoint, load_checkpoint
 from runtime.ops import Eagle3Head, LMHead, MTPBlock, RotaryEmbedding, VocabEmbedding
 from runtime.parallel import Layout, attach_layout
 
@@ -52,6 +52,11 @@ class DraftBuild(nn.Module):
     def load_checkpoint(self, path, progress=None):
         """Read this rank's draft weights from a checkpoint folder (a failed load changes nothing)."""
         return load_checkpoint(self.weights(), path, ignore=self.ignored_tensors, progress=progress, device=self.device)
+
+    def check_checkpoint(self, path) -> None:
+        """CheckpointError unless this rank's `load_checkpoint(path)` would find the folder fits: from the headers
+        only, so a draft constructed on the meta device checks a folder without allocating."""
+        check_checkpoint(self.weights(), path, ignore=self.ignored_tensors)
 
     def init_random(self, seed=0):
         """Fresh seeded random weights (never zeros), for runs without a checkpoint."""

@@ -2,7 +2,8 @@
 
 Validation covers the whole checkpoint before the first copy (missing, unexpected, wrong shape or
 dtype, for plain parameters and for every expert tensor of every MoE layer), so a checkpoint that
-does not fit leaves the build exactly as it was, and the error lists every problem at once. Reading
+does not fit leaves the build exactly as it was, and the error lists every problem at once; it reads the
+headers only, and `check_checkpoint` runs it alone (on a build constructed on the meta device). Reading
 then goes tensor by tensor (and shard by shard: a parameter with `shard = (dim, rank, size)` reads only
 its chunk; with `shard = (dim, rank, size, segments)`, the checkpoint tensor is consecutive segments of
 those lengths along `dim` (a fused projection) and the parameter is chunk `rank` of each, concatenated), so host memory peaks near the largest tensor, not the checkpoint. Scale values are
@@ -89,16 +90,31 @@ def load_checkpoint(model: nn.Module, checkpoint: str | Path | CheckpointReader,
     patterns of checkpoint tensors that no part of this build reads on purpose (e.g. MTP layers when
     the build has no draft). `progress`: True/False forces the bar on/off; None shows it on a
     terminal for loads of at least PROGRESS_MIN_BYTES. Raises CheckpointError, leaving `model` as
-    it was, if the checkpoint does not fit. `device`: where parameters of a build constructed on the
-    meta device are materialised (others are filled in place, on their own device).
+    it was, if the checkpoint does not fit (`check_checkpoint`'s refusals). `device`: where parameters of a
+    build constructed on the meta device are materialised (others are filled in place, on their own device).
     """
     if isinstance(checkpoint, CheckpointReader):
-        return _load(model, checkpoint, experts, ignore, progress, device)
+        return _load(model, checkpoint, _plan(model, checkpoint, experts, ignore), progress, device)
     with CheckpointReader(checkpoint) as reader:
-        return _load(model, reader, experts, ignore, progress, device)
+        return _load(model, reader, _plan(model, reader, experts, ignore), progress, device)
 
 
-def _load(model, reader, experts, ignore, progress, device) -> LoadReport:
+def check_checkpoint(model: nn.Module, checkpoint: str | Path | CheckpointReader, *,
+                     experts: Mapping[str, object] | None = None, ignore: Iterable[str] = ()) -> None:
+    """CheckpointError, listing every problem, unless `load_checkpoint(model, checkpoint, experts=, ignore=)` would
+    find the checkpoint fits: every tensor the build reads present with its shape and dtype (this rank's shards and
+    experts), none left unread outside `ignore`. Reads the headers only, so `model` may be built on the meta device
+    (a launcher checks a folder for each rank's build before any rank starts)."""
+    if isinstance(checkpoint, CheckpointReader):
+        _plan(model, checkpoint, experts, ignore)
+        return
+    with CheckpointReader(checkpoint) as reader:
+        _plan(model, reader, experts, ignore)
+
+
+def _plan(model, reader, experts, ignore) -> tuple[list[_Target], dict, dict, list[str]]:
+    """(the plain tensors, the experts modules by prefix, each one's source, the tensors ignored): what a load fills,
+    from the headers only; CheckpointError listing every problem when the checkpoint does not fit."""
     experts = dict(find_experts_modules(model) if experts is None else experts)
     ignore = tuple(ignore)
     problems: list[str] = []
@@ -137,7 +153,12 @@ def _load(model, reader, experts, ignore, progress, device) -> LoadReport:
             problems.append(f"unexpected tensor {name}: no parameter of this build reads it")
     if problems:
         raise CheckpointError(problems)
-    # Everything fits: now read, in file order so consecutive reads stay within one shard.
+    return targets, experts, sources, ignored
+
+
+def _load(model, reader, plan, progress, device) -> LoadReport:
+    """Fill `model` as `_plan` planned (the checkpoint fits): in file order, so consecutive reads stay within one shard."""
+    targets, experts, sources, ignored = plan
     report = LoadReport(experts_layers=sorted(sources), ignored=ignored)
     total = sum(t.nbytes for t in targets) + sum(
         _experts_bytes(reader, sources[p], experts[p]) for p in sources)

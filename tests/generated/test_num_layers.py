@@ -97,6 +97,13 @@ def test_a_checkpoint_of_fewer_layers_is_refused_naming_the_count_to_pass():
                                 f"load it with num_layers=1 (or fewer), or a checkpoint of at least {wanted} layers")
     assert len(load_model("tiny_deepseek_v3", 90, checkpoint=str(folder), checkpoint_name="tiny_deepseek_v3_bf16",
                           num_layers=1).model.layers) == 1
+    # A build on the meta device checks the folder the same way, from its headers (check_checkpoint).
+    build = builds.load("generated.tiny_deepseek_v3.tiny_deepseek_v3_bf16__sm_90__tp1.modeling").MODEL_CLASS
+    with pytest.raises(CheckpointError) as e:
+        build(device="meta").check_checkpoint(folder)
+    assert str(e.value) == (f"{folder} holds 1 decoder layer (model.layers.0) but this build has 3: "
+                            "load it with num_layers=1 (or fewer), or a checkpoint of at least 3 layers")
+    assert build(device="meta", num_layers=1).check_checkpoint(folder) is None
 
 
 @pytest.mark.parametrize("mode", ["auto", "off"])

@@ -8,7 +8,7 @@ from torch import nn
 
 from families import FAMILIES
 from runtime.checkpoint.errors import CheckpointError
-from runtime.checkpoint.loader import find_experts_modules, load_checkpoint
+from runtime.checkpoint.loader import check_checkpoint, find_experts_modules, load_checkpoint
 from runtime.checkpoint.reader import CheckpointReader
 from runtime.experts.base import MoeShape
 from runtime.experts.vanilla import (TorchEagerBf16Experts, TorchEagerFp8BlockScalesExperts,
@@ -330,6 +330,26 @@ def test_a_bad_checkpoint_stops_the_load_with_a_precise_message_and_changes_noth
     assert str(e.value) == message
     assert isinstance(e.value, ValueError)
     _assert_unchanged(build, before)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_check_checkpoint_refuses_from_the_headers_what_the_load_refuses_on_a_build_without_storage(tmp_path, case):
+    change, message = BAD_INPUTS[case]
+    with torch.device("meta"):
+        build, _ = _small_build_unfilled()
+    with pytest.raises(CheckpointError) as e:
+        check_checkpoint(build, _write(tmp_path, change(_small_tensors()), shards=2))
+    assert str(e.value) == message
+
+
+def test_check_checkpoint_passes_what_loads_and_allocates_nothing(tmp_path):
+    with torch.device("meta"):
+        build, experts = _small_build_unfilled()
+    path = _write(tmp_path, _small_tensors(), shards=2)
+    assert check_checkpoint(build, path) is None
+    assert all(t.is_meta for t in (*build.parameters(), *build.buffers()))
+    load_checkpoint(build, path)
+    assert torch.equal(experts.down_weight[3], _small_tensors()[f"{PREFIX}.3.down_proj.weight"])
 
 
 def test_a_shard_file_missing_from_disk_stops_the_load(tmp_path):
