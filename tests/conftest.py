@@ -1,4 +1,5 @@
-"""Shared pytest setup: GPU tests (marked `gpu` or under tests/gpu/) are skipped on machines without CUDA."""
+"""Shared pytest setup: GPU tests (marked `gpu` or under tests/gpu/) are skipped on machines without CUDA; `no_ranks`
+fails a test whose launcher starts a rank (its refusals come before any rank starts)."""
 import pytest
 
 
@@ -13,3 +14,14 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.fixture
+def no_ranks(monkeypatch):
+    """Any rank the launcher starts fails the test: a refusal must come before any rank starts."""
+    from runtime import launch
+
+    def started(*args, **kwargs):
+        raise AssertionError("a rank started")
+
+    monkeypatch.setattr(launch, "launch", started)

@@ -1,5 +1,4 @@
-"""Runs the generated-build tests on one CPU thread: at tiny sizes a thread pool costs more than it saves, and on a shared 2-core host its spinning threads slow every other process.
-`no_ranks` fails a test whose launcher starts a rank (its refusals come before any rank starts)."""
+"""Runs the generated-build tests on one CPU thread: at tiny sizes a thread pool costs more than it saves, and on a shared 2-core host its spinning threads slow every other process."""
 import pytest
 import torch
 
@@ -11,13 +10,3 @@ def _one_thread():
     yield
     torch.set_num_threads(threads)
 
-
-@pytest.fixture
-def no_ranks(monkeypatch):
-    """Any rank the launcher starts fails the test: a refusal must come before any rank starts."""
-    from runtime import launch
-
-    def started(*args, **kwargs):
-        raise AssertionError("a rank started")
-
-    monkeypatch.setattr(launch, "launch", started)

@@ -1,8 +1,10 @@
 """Shared by the draft-build tests: a model's draft-holding target, its target and draft loaded from one
-checkpoint folder, and the speculative run whose greedy tokens must be the target's own (RULES SD1)."""
+checkpoint folder, the speculative run whose greedy tokens must be the target's own (RULES SD1), and the folder
+of tiny_kimi_k3's external drafter."""
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 
@@ -125,3 +127,27 @@ def assert_a_draft_of_another_dtype_keeps_its_copies(model: str, folder, caplog,
     assert draft.embed_tokens is not target.model.embed_tokens and draft.lm_head is not target.lm_head
     draft.load_checkpoint(folder)
     assert torch.equal(draft.embed_tokens.weight, target.model.embed_tokens.weight.bfloat16())
+
+
+# tiny_kimi_k3's external drafter (a Qwen3-MoE model over the target's vocabulary), and the one-rank target whose
+# draft.py builds it: the names and whole shapes of the tensors its folder holds.
+EXTERNAL_MODEL, EXTERNAL_DRAFTER = "tiny_kimi_k3", "tiny_kimi_k3_drafter"
+EXTERNAL_TARGET = "tiny_kimi_k3_mxfp4__sm_90__tp1"
+
+
+def drafter_tensors(seed: int = 1) -> dict[str, torch.Tensor]:
+    """Every tensor of the external drafter's checkpoint, seeded random (its one-rank build's names and shapes)."""
+    from families import FAMILIES
+    from runtime.checkpoint.writer import random_tensors
+
+    module = builds.load(f"generated.{EXTERNAL_MODEL}.{EXTERNAL_TARGET}.draft")
+    return random_tensors(module.DRAFT_CLASS(device="meta"), FAMILIES[module.FAMILY].experts_storage, seed)
+
+
+def drafter_folder(folder, tensors: dict[str, torch.Tensor] | None = None, **overrides) -> Path:
+    """A folder of the external drafter: `tensors` (default: `drafter_tensors()`) beside its declared config (with
+    `overrides`) as config.json."""
+    from runtime.checkpoint.writer import save_checkpoint
+
+    config = builds.facts(EXTERNAL_MODEL).DRAFT_CONFIGS[EXTERNAL_DRAFTER] | overrides
+    return save_checkpoint(drafter_tensors() if tensors is None else tensors, folder, config)

@@ -17,7 +17,7 @@ import torch
 
 from registry.declarations import load_declaration
 from registry.errors import DeclarationError
-from tests.generated import builds
+from tests.generated import builds, helpers_drafts
 
 TARGET = "tiny_kimi_k3_mxfp4__sm_90__tp1"
 DECLARATION = builds.ROOT / "registry" / "models" / "tiny_kimi_k3.toml"
@@ -101,19 +101,8 @@ def test_a_draft_that_keeps_its_own_folder_is_not_read_from_the_targets(tmp_path
 
 # -- the launcher: `python -m generated.run --spec-mode draft_target --draft-checkpoint DIR` ---------------------------
 
-DRAFTER = "tiny_kimi_k3_drafter"
+DRAFTER = helpers_drafts.EXTERNAL_DRAFTER
 LAUNCH = ["--model", "tiny_kimi_k3", "--sm", "90", "--tokens", "5,6,7", "--generate", "8"]
-
-
-def _drafter_folder(folder, **overrides):
-    """The declared drafter's seeded random tensors (its own one-rank build's names), beside its declared config
-    (with `overrides`) as config.json."""
-    from families import FAMILIES
-    from runtime.checkpoint.writer import random_tensors, save_checkpoint
-
-    module = builds.load(f"generated.tiny_kimi_k3.{TARGET}.draft")
-    tensors = random_tensors(module.DRAFT_CLASS(device="meta"), FAMILIES[module.FAMILY].experts_storage, 1)
-    return save_checkpoint(tensors, folder, builds.facts("tiny_kimi_k3").DRAFT_CONFIGS[DRAFTER] | overrides)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +112,7 @@ def folders(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("launcher-drafter")
     target = run.write_tiny("tiny_kimi_k3", 90, "tiny_kimi_k3_mxfp4", root / "target", seed=0)
-    return Path(target), Path(_drafter_folder(root / "drafter"))
+    return Path(target), Path(helpers_drafts.drafter_folder(root / "drafter"))
 
 
 def test_the_launcher_decodes_with_the_drafter_folder_it_is_given(folders, capsys):
@@ -152,7 +141,7 @@ def test_the_launcher_refuses_a_drafter_folder_of_another_model_before_any_rank_
     from generated import run
 
     target, _ = folders
-    drafter = _drafter_folder(tmp_path / "drafter", rope_theta=500000.0)
+    drafter = helpers_drafts.drafter_folder(tmp_path / "drafter", rope_theta=500000.0)
     code = run.main([*LAUNCH, "--checkpoint", str(target), "--spec-mode", "draft_target", "--draft-checkpoint", str(drafter)])
     assert code == 2
     assert capsys.readouterr().err.strip() == (
