@@ -156,8 +156,8 @@ class Builds:
         Returns the model (a torch module); under a neural speculative mode its draft build is `model.draft`
         (`model.generate(..., speculative=k)` decodes with it). Raises a moegen error naming what did not match under `require`.
         """
-        facts_module, name, selection, chosen = self._choose(model, sm, parallel, moe_config, speculative_config, checkpoint,
-                                                             checkpoint_name, mode)
+        facts_module, name, selection, chosen, _ = self._choose(model, sm, parallel, moe_config, speculative_config, checkpoint,
+                                                                checkpoint_name, mode)
         module = self.module(chosen.module)
         for reason in chosen.reasons:
             # Falling back is allowed, silently falling back is not (RULES TG5); `off` asked for it.
@@ -187,8 +187,8 @@ class Builds:
         return built
 
     def _choose(self, model, sm, parallel, moe_config, speculative_config, checkpoint, checkpoint_name, mode):
-        """(the model's facts module, the declared checkpoint's name, the selection, the BuildChoice): the build
-        `load_model` loads for these arguments, chosen through the build index (nothing is built)."""
+        """(the model's facts module, the declared checkpoint's name, the selection, the BuildChoice, the layout): the
+        build `load_model` loads for these arguments, chosen through the build index (nothing is built)."""
         from contract import Layout
         from registry.build_index import pick_build
         from registry.model import facts_from_literal, layout_of
@@ -199,18 +199,19 @@ class Builds:
         profiles = {k: Layout(*v) for k, v in facts_module.PROFILES.items()}
         layout = layout_of(parallel, profiles)
         selection = selection_of(moe_config, speculative_config)
-        return facts_module, name, selection, pick_build(self.index, facts, sm, parallel, layout, selection, mode)
+        return facts_module, name, selection, pick_build(self.index, facts, sm, parallel, layout, selection, mode), layout
 
     def check_draft(self, model, sm, parallel="tp1", moe_config=None, speculative_config=None, checkpoint_name=None,
                     mode="auto", draft_checkpoint=None, num_layers=None):
-        """What `load_model(checkpoint=<a folder>, ...)` with these arguments refuses of its draft, checked before
-        anything is built or read (a launcher checks it before its ranks start), in the order load_model refuses it: a
+        """What `load_model(checkpoint=<a folder>, ...)` with these arguments refuses of its draft, checked before any
+        weight is allocated or read (a launcher checks it before its ranks start), in the order load_model refuses it: a
         `draft_checkpoint` whose config.json describes another drafter (serving.config_check.check_draft_config), a
         draft that reads the outputs of target layers `num_layers` cuts away, a draft that keeps its weights in a
-        folder of its own without `draft_checkpoint`. Returns None when the chosen build loads a draft, else why it
-        decodes without one (then nothing reads `draft_checkpoint`)."""
-        facts_module, _, selection, chosen = self._choose(model, sm, parallel, moe_config, speculative_config, None,
-                                                          checkpoint_name, mode)
+        folder of its own without `draft_checkpoint`, a `draft_checkpoint` whose tensors do not fit the draft of some
+        rank (serving.draft_folder.check_draft_tensors: each rank's draft built on the meta device). Returns None when
+        the chosen build loads a draft, else why it decodes without one (then nothing reads `draft_checkpoint`)."""
+        facts_module, name, selection, chosen, layout = self._choose(model, sm, parallel, moe_config, speculative_config,
+                                                                     None, checkpoint_name, mode)
         if selection.spec_mode is None:
             return "no speculative_config.mode: decoded with the target alone"
         held, why = self._held_draft(model, chosen, selection.spec_mode)
@@ -230,6 +231,11 @@ class Builds:
         self._refuse_unkept_aux(held, model, kept)
         if draft_checkpoint is None:
             self._refuse_without_own_folder(held.kind, model)
+            return None
+        from serving.draft_folder import check_draft_tensors
+
+        check_draft_tensors(self._draft_class(held, chosen, name, sm, parallel, selection), layout.world, draft_checkpoint,
+                            draft=held.module.DRAFT, model=model)
         return None
 
     def _held_draft(self, model, chosen, mode):
@@ -270,6 +276,14 @@ class Builds:
             raise SelectionError(f"the {kind} draft of {model} keeps its weights in a folder of its own: pass "
                                  f"draft_checkpoint=DIR to load_model (--draft-checkpoint DIR to python -m {self.package}.run)")
 
+    @staticmethod
+    def _draft_class(held: HeldDraft, chosen, name, sm, parallel, selection):
+        """The held draft's class, given what it is built with besides device, rank and dtype: a specialized build's
+        draft states everything; the generic draft resolves its layers at load under the draft's own selection (DR1, DR2)."""
+        if chosen.kind == "specialized":
+            return held.module.DRAFT_CLASS
+        return functools.partial(held.module.DRAFT_CLASS, checkpoint=name, sm=sm, parallel=parallel, selection=selection)
+
     def _load_draft(self, target, model, name, sm, parallel, chosen, selection, checkpoint, draft_checkpoint, device, rank, seed, extra):
         """(the draft build of `target` the speculative mode needs, None) or (None, why the build decodes without one):
         an embedded MTP draft or draft stages read the target's checkpoint folder, every other kind `draft_checkpoint` (RULES SD3)."""
@@ -277,12 +291,8 @@ class Builds:
         if held is None:
             return None, why
         kind, module = held.kind, held.module
-        if chosen.kind == "specialized":
-            build = functools.partial(module.DRAFT_CLASS, device=device, rank=rank, **extra)
-        else:
-            # The generic draft resolves its layers at load under the draft's own selection (DR1, DR2).
-            build = functools.partial(module.DRAFT_CLASS, checkpoint=name, sm=sm, parallel=parallel, selection=selection,
-                                      device=device, rank=rank, **extra)
+        build = functools.partial(self._draft_class(held, chosen, name, sm, parallel, selection), device=device, rank=rank,
+                                  **extra)
         if draft_checkpoint is not None:
             from serving.config_check import check_draft_config
 

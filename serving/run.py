@@ -43,8 +43,9 @@ class Launcher:
         Under a `spec_mode`, the draft that `load_model(..., moe_config, mode)` builds is checked as the ranks'
         load_model would check it (`Builds.check_draft`; the run reads a folder, `checkpoint` or the one --tiny
         writes): refused when it keeps its weights in a folder of its own and `draft_checkpoint` is None, when
-        `draft_checkpoint`'s config.json describes another drafter, or when it reads the outputs of target layers
-        `num_layers` cuts away; a `draft_checkpoint` no draft would read is refused too."""
+        `draft_checkpoint`'s config.json describes another drafter or its tensors do not fit the draft of some rank,
+        or when it reads the outputs of target layers `num_layers` cuts away; a `draft_checkpoint` no draft would read
+        is refused too."""
         from registry.errors import MoegenError
         from registry.model import facts_from_literal, layout_of
         from registry.model_resolve import resolve_model

@@ -135,20 +135,25 @@ def test_an_eagle3_draft_reading_a_layer_the_cut_drops_is_refused():
 
 
 def test_check_draft_refuses_such_a_draft_from_its_class_without_building_it(monkeypatch, tmp_path):
+    from families import FAMILIES
     from registry.errors import SelectionError
+    from runtime.checkpoint.writer import random_tensors, save_checkpoint
     from serving.load import Builds
 
     def built(*args, **kwargs):
         raise AssertionError("the draft was built")
 
-    monkeypatch.setattr(builds.load("generated.tiny_qwen3_moe.tiny_qwen3_moe_bf16__sm_120__tp1.draft").DRAFT_CLASS,
-                        "__init__", built)
+    head = builds.load("generated.tiny_qwen3_moe.tiny_qwen3_moe_bf16__sm_120__tp1.draft").DRAFT_CLASS
+    folder = save_checkpoint(random_tensors(head(device="meta").weights(), FAMILIES["qwen3_moe"].experts_storage), tmp_path)
     check = functools.partial(Builds("generated").check_draft, "tiny_qwen3_moe", 120, speculative_config={"mode": "eagle3"},
-                              draft_checkpoint=str(tmp_path))
-    with pytest.raises(SelectionError) as e:
-        check(num_layers=1)
+                              draft_checkpoint=str(folder))
+    with monkeypatch.context() as patched:
+        patched.setattr(head, "__init__", built)
+        with pytest.raises(SelectionError) as e:
+            check(num_layers=1)
     assert str(e.value) == EAGLE3_CUT
-    # 0 and 3 are out of range: refused by the count's own check (the launcher's --num-layers, the target build's), not here.
+    # 0 and 3 are out of range: refused by the count's own check (the launcher's --num-layers, the target build's), not
+    # here. A count it keeps goes on to the head's folder, checked against the head built on the meta device.
     for num_layers in (None, 2, 0, 3):
         assert check(num_layers=num_layers) is None
 
