@@ -135,9 +135,12 @@ def save_checkpoint(model: str, layers: int, folder: Path, device: str = "cuda",
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, **extra)
     with torch.no_grad():  # transformers leaves norms at 1 and biases at 0: give every tensor values
         for name, t in hf.state_dict().items():
-            if t.is_floating_point():
-                t.copy_((1.0 + 0.1 * torch.randn_like(t, dtype=torch.float32)) if "norm" in name
-                        else 0.02 * torch.randn_like(t, dtype=torch.float32))
+            # a tensor at a time, except deepseek_v3's fused experts, an expert at a time: in fp32 the whole is
+            # 28 GiB, which an H100 holding the bf16 model lacks
+            for part in t.split(1) if t.is_floating_point() and t.numel() * 4 > 16 << 30 else (t,):
+                if t.is_floating_point():
+                    part.copy_((1.0 + 0.1 * torch.randn_like(part, dtype=torch.float32)) if "norm" in name
+                               else 0.02 * torch.randn_like(part, dtype=torch.float32))
     if facts.FAMILY == "deepseek_v3":
         save_fp8_checkpoint(hf, folder, facts.CONFIG["num_hidden_layers"])  # the MTP layer's index in the hub's
         return hf.eval()
@@ -335,7 +338,10 @@ def bench_build(model, name, ids, hf_ref, results):
     kept = {}
     with torch.no_grad():
         logits = model(ids[:1])
-        row = {"variant": name, "build": type(model).__module__, "prefill": parity(logits[0], hf_ref["prefill"])}
+        # what the build bound (a generic build resolves at load): the experts classes' implementation ids
+        binds = sorted({type(m).IMPL_ID for m in model.modules() if getattr(type(m), "IMPL_ID", "")})
+        row = {"variant": name, "build": type(model).__module__, "binds": binds,
+               "prefill": parity(logits[0], hf_ref["prefill"])}
         kept["prefill"] = logits[0].cpu()
         del logits
         row["prefill_stats"] = events_stats(lambda: model(ids[:1]), PREFILL_REPS, warmup=5)
@@ -769,7 +775,7 @@ def main() -> None:
         if "error" in row:
             print(f"| {row['variant']} | error: {row['error'].strip().splitlines()[-1]} |")
             continue
-        cells = [row["variant"]]
+        cells = [row["variant"] + (f" ({', '.join(row['binds'])})" if row.get("binds") else "")]
         p = row.get("prefill")
         if "prefill_ms" in row:
             st = row.get("prefill_stats", {})
