@@ -39,8 +39,8 @@ w4a8_mxfp4_mxfp8, w4a8_mxfp4_fp8 come first, but on sm_100 only VANILLA runs the
        weights: kept packed, dequantized per expert group in the forward
        runs on sm_100: unverified (never run on that SM)
        also eligible: none
-       turned down:   cupy.mma.grouped_gemm.w4a16_mxfp4: SM_UNSUPPORTED (sm_100 is not among sm_90)
-                      triton.wgmma.grouped_gemm.w4a16_mxfp4: SM_UNSUPPORTED (sm_100 is not among sm_90)
+       turned down:   triton.wgmma.grouped_gemm.w4a16_mxfp4: SM_UNSUPPORTED (sm_100 is not among sm_90)
+                      cupy.mma.grouped_gemm.w4a16_mxfp4: SM_UNSUPPORTED (sm_100 is not among sm_90)
                       torch.eager.loop.w4a16_mxfp4: NOT_HONORED (the target honors only torch.grouped_mm.grouped_gemm.w4a16_mxfp4)
   dense layers 0: no MoE
   draft layers: not selected (no speculative_config.mode; this model's drafts serve draft_target, dspark)
@@ -232,8 +232,8 @@ def test_an_invalid_layout_or_an_unknown_model_exits_2(capsys):
     assert code == 2
     assert err == (
         "error: moe_config.backend 'AUTO' found no implementation for routed layers 1-92 (format w4a16_mxfp4 on sm_100): "
-        "cupy.mma.grouped_gemm.w4a16_mxfp4: SM_UNSUPPORTED (sm_100 is not among sm_90); "
         "triton.wgmma.grouped_gemm.w4a16_mxfp4: SM_UNSUPPORTED (sm_100 is not among sm_90); "
+        "cupy.mma.grouped_gemm.w4a16_mxfp4: SM_UNSUPPORTED (sm_100 is not among sm_90); "
         "torch.grouped_mm.grouped_gemm.w4a16_mxfp4: TOPOLOGY_UNSUPPORTED (intermediate size 2048 does not split over "
         "moetp3); torch.eager.loop.w4a16_mxfp4: TOPOLOGY_UNSUPPORTED (intermediate size 2048 does not split over "
         "moetp3) (RULES LR4)\n"
@@ -296,8 +296,8 @@ def test_a_widened_tactic_fn3_would_refuse_is_not_suggested(capsys):
     assert err == (
         "error: moe_config.tactic 'grouped_gemm.bf16' names no implementation of fp8_block_scales on sm_90, the format of "
         "routed layers 3-60 (checkpoint quant_algo FP8_BLOCK_SCALES); fp8_block_scales is served by "
-        "cupy.mma.grouped_gemm.fp8_block_scales ('cupy.fp8_block_scales'), triton.wgmma.grouped_gemm.fp8_block_scales "
-        "('triton.fp8_block_scales'), torch.grouped_mm.grouped_gemm.fp8_block_scales "
+        "triton.wgmma.grouped_gemm.fp8_block_scales ('triton.fp8_block_scales'), cupy.mma.grouped_gemm.fp8_block_scales "
+        "('cupy.fp8_block_scales'), torch.grouped_mm.grouped_gemm.fp8_block_scales "
         "('grouped_mm.fp8_block_scales'), torch.eager.loop.fp8_block_scales ('eager.fp8_block_scales'); no tactic of one "
         "backend covers fp8_block_scales: select by backend (moe_config.backend) instead (RULES FN4)\n"
     )

@@ -167,8 +167,8 @@ def test_a_replacement_head_resolves_against_its_own_checkpoint(tmp_path):
     facts = load_declaration(write(tmp_path / "tiny_rep.toml", text)).facts()
     resolution = resolve_model(facts, Selection(spec_mode="mtp"), sm=90)
     assert [(r.role, r.layers, r.run_format, r.winner) for r in resolution.reports] == [
-        ("target", (1, 2), "bf16", "cupy.mma.grouped_gemm.bf16"),
-        ("draft", (3,), "fp8_block_scales", "cupy.mma.grouped_gemm.fp8_block_scales"),
+        ("target", (1, 2), "bf16", "triton.wgmma.grouped_gemm.bf16"),
+        ("draft", (3,), "fp8_block_scales", "triton.wgmma.grouped_gemm.fp8_block_scales"),
     ]
 
 
@@ -260,7 +260,7 @@ def test_an_embedded_mtp_under_dynamic_eplb_resolves_auto_among_eplb_consumers()
     (draft,) = drafts(resolve("deepseek_v3", Selection(spec_mode="mtp", eplb=True), 90))
     assert (draft.winner, draft.alternatives) == ("torch.grouped_mm.grouped_gemm.fp8_block_scales", ())
     (free,) = drafts(resolve("deepseek_v3", Selection(spec_mode="mtp"), 90))
-    assert free.alternatives == ("triton.wgmma.grouped_gemm.fp8_block_scales",
+    assert free.alternatives == ("cupy.mma.grouped_gemm.fp8_block_scales",
                                  "torch.grouped_mm.grouped_gemm.fp8_block_scales", "torch.eager.loop.fp8_block_scales")
 
 

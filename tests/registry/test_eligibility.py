@@ -101,8 +101,8 @@ def test_a_candidate_outside_the_honored_set_is_turned_down_not_honored():
     outcome = ask_candidates(request, Problem("bf16"), Deployment(90), honored=frozenset({"torch.eager.loop.bf16"}))
     assert str(outcome.winner.id) == "torch.eager.loop.bf16"
     assert [r.describe() for r in outcome.rejections] == [
-        "cupy.mma.grouped_gemm.bf16: NOT_HONORED (the target honors only torch.eager.loop.bf16)",
         "triton.wgmma.grouped_gemm.bf16: NOT_HONORED (the target honors only torch.eager.loop.bf16)",
+        "cupy.mma.grouped_gemm.bf16: NOT_HONORED (the target honors only torch.eager.loop.bf16)",
         "torch.grouped_mm.grouped_gemm.bf16: NOT_HONORED (the target honors only torch.eager.loop.bf16)",
     ]
 

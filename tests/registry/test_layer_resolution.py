@@ -161,8 +161,8 @@ def test_the_report_names_requested_winner_selected_by_alternatives_and_rejectio
         "verification": "runs on sm_90: verified (tests passed there)",
         "alternatives": [],
         "rejections": [
-            {"impl": "cupy.mma.grouped_gemm.bf16", "reason": "SHAPE_UNALIGNED", "detail": "hidden size 100 is not a multiple of 64"},
             {"impl": "triton.wgmma.grouped_gemm.bf16", "reason": "SHAPE_UNALIGNED", "detail": "hidden size 100 is not a multiple of 64"},
+            {"impl": "cupy.mma.grouped_gemm.bf16", "reason": "SHAPE_UNALIGNED", "detail": "hidden size 100 is not a multiple of 64"},
             {"impl": "torch.grouped_mm.grouped_gemm.bf16", "reason": "SHAPE_UNALIGNED", "detail": "hidden size 100 is not a multiple of 8"},
         ],
         "warnings": [],

@@ -73,8 +73,8 @@ def test_under_dynamic_eplb_fn3_counts_only_implementations_that_consume_plans()
     report = resolve_model(gpt_oss, Selection(tactic="w4a16_mxfp4", eplb=True), sm=90).reports[0]
     assert (report.winner, report.selected_by) == ("torch.grouped_mm.grouped_gemm.w4a16_mxfp4", "pinned")
     assert [r.describe() for r in report.rejections] == [
-        "cupy.mma.grouped_gemm.w4a16_mxfp4: EPLB_UNSUPPORTED (does not consume per-layer dynamic EPLB plans)",
         "triton.wgmma.grouped_gemm.w4a16_mxfp4: EPLB_UNSUPPORTED (does not consume per-layer dynamic EPLB plans)",
+        "cupy.mma.grouped_gemm.w4a16_mxfp4: EPLB_UNSUPPORTED (does not consume per-layer dynamic EPLB plans)",
         "torch.eager.loop.w4a16_mxfp4: EPLB_UNSUPPORTED (does not consume per-layer dynamic EPLB plans)",
     ]
 

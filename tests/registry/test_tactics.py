@@ -70,7 +70,7 @@ def test_each_token_finds_its_own_field():
 
 def test_a_one_segment_tactic_names_every_implementation_with_that_token_in_priority_order():
     # RULES TA1, RQ2
-    assert ids(parse_tactic("bf16", R)) == ["cupy.mma.grouped_gemm.bf16", "triton.wgmma.grouped_gemm.bf16",
+    assert ids(parse_tactic("bf16", R)) == ["triton.wgmma.grouped_gemm.bf16", "cupy.mma.grouped_gemm.bf16",
                                             "torch.grouped_mm.grouped_gemm.bf16", "torch.eager.loop.bf16"]
     assert ids(parse_tactic("torch", R)) == [i for i in ALL_IDS if i.startswith("torch.")]
 
@@ -96,7 +96,7 @@ def test_an_empty_tactic_is_refused_with_an_example(text):
     # RULES TA2
     assert refusal(text) == (
         "moe_config.tactic is empty: name at least one segment of provider.technique.kernel_name.quant, "
-        "e.g. 'cupy.bf16' (RULES TA2)"
+        "e.g. 'triton.bf16' (RULES TA2)"
     )
 
 

@@ -258,8 +258,8 @@ def test_auto_binds_the_first_eligible_honored_candidate():
     (report,) = resolution.reports
     assert resolution.claimed and report.winner == KIMI_ID
     assert [r.describe() for r in report.rejections] == [
-        "cupy.mma.grouped_gemm.w4a16_mxfp4: SM_UNSUPPORTED (sm_100 is not among sm_90)",
         "triton.wgmma.grouped_gemm.w4a16_mxfp4: SM_UNSUPPORTED (sm_100 is not among sm_90)",
+        "cupy.mma.grouped_gemm.w4a16_mxfp4: SM_UNSUPPORTED (sm_100 is not among sm_90)",
         "torch.eager.loop.w4a16_mxfp4: NOT_HONORED (the target honors only torch.grouped_mm.grouped_gemm.w4a16_mxfp4)",
     ]
 
@@ -286,7 +286,7 @@ def test_a_target_declaring_no_draft_set_claims_a_draft_backend_and_binds_its_wi
 def test_any_honors_every_selection_and_does_not_restrict_the_winner():
     # RULES TG4
     resolution = resolve_model(facts(site(0, "bf16")), Selection(), sm=90, honored=Honored.parse("*"))
-    assert resolution.claimed and resolution.reports[0].alternatives == ("triton.wgmma.grouped_gemm.bf16", "torch.grouped_mm.grouped_gemm.bf16",
+    assert resolution.claimed and resolution.reports[0].alternatives == ("cupy.mma.grouped_gemm.bf16", "torch.grouped_mm.grouped_gemm.bf16",
                                                                          "torch.eager.loop.bf16")
 
 
@@ -295,7 +295,7 @@ def test_an_empty_honored_list_honors_nothing():
     resolution = resolve_model(facts(site(0, "bf16")), Selection(), sm=90, honored=Honored.parse([]))
     assert resolution.refusals == (
         "moe_config.backend 'AUTO': no eligible honored implementation for routed layers 0 (format bf16 on sm_90); "
-        "it would run cupy.mma.grouped_gemm.bf16, and this target honors no implementation (RULES TG4)",
+        "it would run triton.wgmma.grouped_gemm.bf16, and this target honors no implementation (RULES TG4)",
     )
 
 
