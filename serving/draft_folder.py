@@ -16,12 +16,12 @@ from runtime.checkpoint import CheckpointError, CheckpointReader
 ADVICE = "pass a checkpoint of the declared draft (draft_checkpoint=DIR, --draft-checkpoint DIR)"
 
 
-def check_draft_tensors(make_draft: Callable, world: int, folder, *, draft: str, model: str) -> None:
-    """CheckpointError unless `folder` holds what the draft `draft` of `model` reads on each of the `world` ranks
-    (`make_draft(device=, rank=)` builds one rank's draft): every tensor in its shape and dtype, none that no
-    parameter reads. The message names the first rank that would refuse it and all that rank's problems."""
+def check_draft_tensors(make_draft: Callable, world: int, folder, *, draft: str, model: str, ranks=None) -> None:
+    """CheckpointError unless `folder` holds what the draft `draft` of `model` reads on each of `ranks` (default: all
+    `world` ranks; `make_draft(device=, rank=)` builds one rank's draft): every tensor in its shape and dtype, none
+    that no parameter reads. The message names the first rank that would refuse it and all that rank's problems."""
     with CheckpointReader(folder) as reader:   # a folder it cannot read is refused here, in the reader's words
-        for rank in range(world):
+        for rank in range(world) if ranks is None else ranks:
             try:
                 make_draft(device="meta", rank=rank).check_checkpoint(reader)
             except CheckpointError as e:

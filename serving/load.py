@@ -145,8 +145,8 @@ class Builds:
 
         `draft_checkpoint`: the folder of a draft that keeps its weights apart from the target's (an external
         drafter, an Eagle3 head, a replacement MTP head); an embedded MTP draft reads `checkpoint`. An external
-        drafter's folder is compared with the drafter's declared config before the draft is built
-        (serving.config_check.check_draft_config).
+        drafter's folder is compared with the drafter's declared config, and any draft folder's headers with what this
+        rank's draft reads (`check_draft`), before the target's weights load.
 
         `dtype` is the build's activation and parameter dtype (default: the build's own, bfloat16).
         `device="meta"` without a checkpoint builds the structure only, allocating nothing.
@@ -167,6 +167,11 @@ class Builds:
 
             # Before the build allocates its parameters: over the decoder layers it keeps (num_layers).
             check_config(facts_module, checkpoint, self.target_layers(model), num_layers)
+            if draft_checkpoint is not None:
+                # The draft's own folder too (this rank's draft, from the headers), before the target's weights load:
+                # for a real model that load takes minutes, and the draft's would fail only after it.
+                self.check_draft(model, sm, parallel, moe_config, speculative_config, name, mode, draft_checkpoint,
+                                 num_layers, ranks=(rank,))
         extra = {} if dtype is None else {"dtype": dtype}
         if chosen.kind == "specialized":
             built = module.MODEL_CLASS(device=device, rank=rank, num_layers=num_layers, **extra)
@@ -202,14 +207,15 @@ class Builds:
         return facts_module, name, selection, pick_build(self.index, facts, sm, parallel, layout, selection, mode), layout
 
     def check_draft(self, model, sm, parallel="tp1", moe_config=None, speculative_config=None, checkpoint_name=None,
-                    mode="auto", draft_checkpoint=None, num_layers=None):
+                    mode="auto", draft_checkpoint=None, num_layers=None, ranks=None):
         """What `load_model(checkpoint=<a folder>, ...)` with these arguments refuses of its draft, checked before any
         weight is allocated or read (a launcher checks it before its ranks start), in the order load_model refuses it: a
         `draft_checkpoint` whose config.json describes another drafter (serving.config_check.check_draft_config), a
         draft that reads the outputs of target layers `num_layers` cuts away, a draft that keeps its weights in a
         folder of its own without `draft_checkpoint`, a `draft_checkpoint` whose tensors do not fit the draft of some
-        rank (serving.draft_folder.check_draft_tensors: each rank's draft built on the meta device). Returns None when
-        the chosen build loads a draft, else why it decodes without one (then nothing reads `draft_checkpoint`)."""
+        rank (serving.draft_folder.check_draft_tensors: each rank's draft, or each of `ranks`, built on the meta
+        device). Returns None when the chosen build loads a draft, else why it decodes without one (then nothing
+        reads `draft_checkpoint`)."""
         facts_module, name, selection, chosen, layout = self._choose(model, sm, parallel, moe_config, speculative_config,
                                                                      None, checkpoint_name, mode)
         if selection.spec_mode is None:
@@ -235,7 +241,7 @@ class Builds:
         from serving.draft_folder import check_draft_tensors
 
         check_draft_tensors(self._draft_class(held, chosen, name, sm, parallel, selection), layout.world, draft_checkpoint,
-                            draft=held.module.DRAFT, model=model)
+                            draft=held.module.DRAFT, model=model, ranks=ranks)
         return None
 
     def _held_draft(self, model, chosen, mode):

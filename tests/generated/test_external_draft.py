@@ -62,7 +62,11 @@ def test_the_draft_matches_transformers_and_its_cache_reproduces_the_full_forwar
         caches = draft.new_caches(2, 16)
         steps = [draft(ids[:, t:t + 1], torch.tensor([t]), caches) for t in range(10)]
     assert hidden.shape == (2, 10, 64)
-    assert builds.rel_err(logits, expected) <= 1e-2
+    # Per position against transformers in float64: about 1e-3 (the experts take bf16 inputs). Now and then a router
+    # near-tie flips one position's experts (2 of 60 fresh draws measured: that position 0.12-0.17, its followers up to
+    # 1e-2 through attention), so one position may stand out; a wrong draft is off at every position.
+    versus_hf = builds.per_position_err(logits, expected)
+    assert versus_hf.median() <= 5e-3 and (versus_hf > 1e-2).sum() <= 1, versus_hf
     # Not bit-equal: fp32 attention sums in another order per step and the experts round their inputs to
     # bf16 (observed <= 4e-4 per position; a rare router flip moves one position): a draft that ignored its
     # cache is off by 0.5-1 at the later positions (measured).
@@ -97,6 +101,30 @@ def test_a_draft_that_keeps_its_own_folder_is_not_read_from_the_targets(tmp_path
                              speculative_config={"mode": "draft_target"}, dtype=torch.float32)
     assert str(caught.value) == ("the external draft of tiny_kimi_k3 keeps its weights in a folder of its own: "
                                  "pass draft_checkpoint=DIR to load_model (--draft-checkpoint DIR to python -m generated.run)")
+
+
+def test_load_model_refuses_a_drafter_folder_missing_a_tensor_before_the_target_loads(tmp_path, monkeypatch):
+    # The draft's folder is checked from its headers first: a real target's load takes minutes, and the draft's own
+    # load would find the missing tensor only after it. The spy records every build's load, the drafter's included
+    # (a causal LM build too): nothing loads before the refusal.
+    from generated import load_model, run
+    from runtime.causal_lm import CausalLMBuild
+    from runtime.checkpoint import CheckpointError
+
+    target = run.write_tiny("tiny_kimi_k3", 90, "tiny_kimi_k3_mxfp4", tmp_path / "target", seed=0)
+    tensors = helpers_drafts.drafter_tensors()
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    drafter = helpers_drafts.drafter_folder(tmp_path / "drafter", tensors)
+    loads = []
+    monkeypatch.setattr(CausalLMBuild, "load_checkpoint", lambda self, path, progress=None: loads.append(path))
+    with pytest.raises(CheckpointError) as caught:
+        load_model("tiny_kimi_k3", 90, checkpoint=str(target), speculative_config={"mode": "draft_target"},
+                   draft_checkpoint=str(drafter))
+    assert str(caught.value) == (
+        f"{drafter} does not fit the draft tiny_kimi_k3_drafter of tiny_kimi_k3: missing tensor "
+        "model.layers.1.self_attn.k_proj.weight: the build expects shape (32, 64) bfloat16; pass a checkpoint of the "
+        "declared draft (draft_checkpoint=DIR, --draft-checkpoint DIR)")
+    assert loads == []
 
 
 # -- the launcher: `python -m generated.run --spec-mode draft_target --draft-checkpoint DIR` ---------------------------
