@@ -135,12 +135,13 @@ def save_checkpoint(model: str, layers: int, folder: Path, device: str = "cuda",
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, **extra)
     with torch.no_grad():  # transformers leaves norms at 1 and biases at 0: give every tensor values
         for name, t in hf.state_dict().items():
+            if not t.is_floating_point():
+                continue
             # a tensor at a time, except deepseek_v3's fused experts, an expert at a time: in fp32 the whole is
             # 28 GiB, which an H100 holding the bf16 model lacks
-            for part in t.split(1) if t.is_floating_point() and t.numel() * 4 > 16 << 30 else (t,):
-                if t.is_floating_point():
-                    part.copy_((1.0 + 0.1 * torch.randn_like(part, dtype=torch.float32)) if "norm" in name
-                               else 0.02 * torch.randn_like(part, dtype=torch.float32))
+            for part in t.split(1) if t.numel() * 4 > 16 << 30 else (t,):
+                part.copy_((1.0 + 0.1 * torch.randn_like(part, dtype=torch.float32)) if "norm" in name
+                           else 0.02 * torch.randn_like(part, dtype=torch.float32))
     if facts.FAMILY == "deepseek_v3":
         save_fp8_checkpoint(hf, folder, facts.CONFIG["num_hidden_layers"])  # the MTP layer's index in the hub's
         return hf.eval()

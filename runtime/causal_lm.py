@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from runtime import build
-from runtime.checkpoint import CheckpointError, CheckpointReader, check_checkpoint, load_checkpoint
+from runtime.checkpoint import CheckpointError, CheckpointReader, check_checkpoint, load_checkpoint, opened
 from runtime.decoding import CausalLM
 from runtime.ops import LMHead, VocabEmbedding
 from runtime.parallel import Layout, attach_layout
@@ -151,20 +151,16 @@ class CausalLMBuild(CausalLM):
     def load_checkpoint(self, path, progress=None):
         """Read this rank's weights from an HF checkpoint folder (or an open `CheckpointReader`; a failed load changes
         nothing: it refuses what `check_checkpoint` refuses before the first copy)."""
-        if not isinstance(path, CheckpointReader):
-            with CheckpointReader(path) as reader:
-                return self.load_checkpoint(reader, progress)
-        self._refuse_fewer_layers(path)
-        return load_checkpoint(self, path, ignore=self.ignored_tensors, progress=progress, device=self.device)
+        with opened(path) as reader:
+            self._refuse_fewer_layers(reader)
+            return load_checkpoint(self, reader, ignore=self.ignored_tensors, progress=progress, device=self.device)
 
     def check_checkpoint(self, path) -> None:
         """CheckpointError unless this rank's `load_checkpoint(path)` would find the folder (or open reader) fits:
         from the headers only, so a build constructed on the meta device checks a folder without allocating."""
-        if not isinstance(path, CheckpointReader):
-            with CheckpointReader(path) as reader:
-                return self.check_checkpoint(reader)
-        self._refuse_fewer_layers(path)
-        check_checkpoint(self, path, ignore=self.ignored_tensors)
+        with opened(path) as reader:
+            self._refuse_fewer_layers(reader)
+            check_checkpoint(self, reader, ignore=self.ignored_tensors)
 
     def _refuse_fewer_layers(self, reader: CheckpointReader) -> None:
         backbone, wanted = self._backbone, len(self.model.layers)

@@ -8,7 +8,7 @@ from runtime.checkpoint.errors import CheckpointConfigError, CheckpointError
 from runtime.checkpoint.experts_sources import (LAYOUTS, GptOssFusedSource, PerExpertSource, detect_layout,
                                                 experts_source)
 from runtime.checkpoint.loader import LoadReport, check_checkpoint, find_experts_modules, load_checkpoint
-from runtime.checkpoint.reader import CheckpointReader, TensorInfo
+from runtime.checkpoint.reader import CheckpointReader, TensorInfo, opened
 
 __all__ = ["CheckpointConfigError", "CheckpointError", "CheckpointReader", "GptOssFusedSource", "LAYOUTS", "LoadReport", "PerExpertSource",
-           "TensorInfo", "check_checkpoint", "detect_layout", "experts_source", "find_experts_modules", "load_checkpoint"]
+           "TensorInfo", "check_checkpoint", "detect_layout", "experts_source", "find_experts_modules", "load_checkpoint", "opened"]

@@ -28,7 +28,7 @@ from torch import nn
 from runtime.checkpoint import quantized_weights, scales
 from runtime.checkpoint.errors import CheckpointError
 from runtime.checkpoint.experts_sources import experts_source
-from runtime.checkpoint.reader import CheckpointReader
+from runtime.checkpoint.reader import CheckpointReader, opened
 from runtime.experts.base import WEIGHT_KIND, canonical_tensors
 
 # Below this many bytes a load is over before a bar is worth drawing.
@@ -93,9 +93,7 @@ def load_checkpoint(model: nn.Module, checkpoint: str | Path | CheckpointReader,
     it was, if the checkpoint does not fit (`check_checkpoint`'s refusals). `device`: where parameters of a
     build constructed on the meta device are materialised (others are filled in place, on their own device).
     """
-    if isinstance(checkpoint, CheckpointReader):
-        return _load(model, checkpoint, _plan(model, checkpoint, experts, ignore), progress, device)
-    with CheckpointReader(checkpoint) as reader:
+    with opened(checkpoint) as reader:
         return _load(model, reader, _plan(model, reader, experts, ignore), progress, device)
 
 
@@ -105,10 +103,7 @@ def check_checkpoint(model: nn.Module, checkpoint: str | Path | CheckpointReader
     find the checkpoint fits: every tensor the build reads present with its shape and dtype (this rank's shards and
     experts), none left unread outside `ignore`. Reads the headers only, so `model` may be built on the meta device
     (a launcher checks a folder for each rank's build before any rank starts)."""
-    if isinstance(checkpoint, CheckpointReader):
-        _plan(model, checkpoint, experts, ignore)
-        return
-    with CheckpointReader(checkpoint) as reader:
+    with opened(checkpoint) as reader:
         _plan(model, reader, experts, ignore)
 
 

@@ -11,6 +11,7 @@ which layer runs which format is the registry's decision, not the reader's.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import math
 from collections import OrderedDict
@@ -242,6 +243,12 @@ class CheckpointReader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def opened(checkpoint: str | Path | CheckpointReader):
+    """A context giving a reader of `checkpoint`: an open reader as it is (its owner closes it), a folder opened
+    for the block and closed after it."""
+    return contextlib.nullcontext(checkpoint) if isinstance(checkpoint, CheckpointReader) else CheckpointReader(checkpoint)
 
 
 def _info(name: str, file: str, view) -> TensorInfo:
