@@ -189,9 +189,9 @@ def test_ep_ranks_and_tp_shards_sum_to_the_whole(cls):
     ids, weights = random_routing(90, spec, seed=52)
     hidden = random_hidden(90, spec, seed=53).cuda()
     ids, weights = ids.cuda(), weights.cuda()
-    # FP8: the planned tile and the warp-specialized one (the TP shards' intermediate of 128 channels is one
-    # K step, an odd count)
-    for tile in [None] + (list(FP8_OVERLAP[:1]) if cls.FORMAT == "fp8_block_scales" else []):
+    # every tile the plan can pick, the Gluon kernels among them (FP8: the TP shards' intermediate of 128 channels is
+    # one K step, an odd count)
+    for tile in dict.fromkeys(cfg for _, cfg in cls.CONFIGS):
         whole = _module(cls, spec, tensors)(hidden, ids, weights, path="triton", tile=tile).float()
         for parallels in ([ExpertParallel(ep_size=2, ep_rank=r) for r in range(2)],
                           [ExpertParallel(moe_tp_size=2, moe_tp_rank=r) for r in range(2)]):
@@ -208,6 +208,44 @@ def test_cuda_graph_capture_and_replay(tokens, tile):
     spec = MoeShape(384, 256, 8, 2, "swiglu_oai", expert_bias=True)
     module = _module(cls, spec, make_expert_tensors(spec, cls.FORMAT, seed=41, weight_std=3.0))
     assert_graph_replay_matches_eager(module, spec, tokens, path="triton", tile=tile)
+
+
+@pytest.mark.parametrize("cls", [c for c in TRITON_EXPERTS if c.FORMAT != "fp8_block_scales"], ids=lambda c: c.FORMAT)
+def test_every_prefill_tile_replays_in_a_cuda_graph(cls):
+    """bf16 and MXFP4 (FP8: the test above): each tile of `CONFIGS`, the overlapped Gluon MXFP4 kernel among them,
+    captured once and replayed on fresh inputs gives its eager call's output."""
+    spec = MoeShape(*SHAPES[cls.FORMAT], 8, 2, "swiglu_oai", expert_bias=True)
+    module = _module(cls, spec, make_expert_tensors(spec, cls.FORMAT, seed=45, weight_std=3.0))
+    for _, cfg in cls.CONFIGS:
+        assert_graph_replay_matches_eager(module, spec, 300, path="triton", tile=cfg)
+
+
+def test_the_mxfp4_prefill_gemms_keep_the_weights_packed():
+    """The Triton and Gluon MXFP4 GEMMs decode the packed words in their registers: a prefill call of each tile of
+    `CONFIGS` allocates no more than its workspaces. A bf16 copy of the layer's weights (3.8x its packed bytes) would
+    not fit the bound; the bound's workspaces are the CUPY memory test's (an fp32 y: twice the bf16 one here)."""
+    cls = next(c for c in TRITON_EXPERTS if c.FORMAT == "w4a16_mxfp4")
+    spec = MoeShape(2048, 768, 16, 8, "silu_glu")
+    module = cls(spec, device="cuda")
+    module.init_random(torch.Generator().manual_seed(64))
+    packed = sum(b.numel() * b.element_size() for b in module.buffers())
+    tokens = 512   # 256 rows an expert: the Triton path
+    pairs = tokens * spec.top_k
+    ids, weights = random_routing(tokens, spec, seed=65)
+    hidden = random_hidden(tokens, spec, seed=66).cuda()
+    ids, weights = ids.cuda(), weights.cuda()
+    activations = (pairs * 4 * 6 + tokens * spec.hidden_size * 2 + pairs * spec.intermediate_size * 3
+                   + pairs * spec.hidden_size * 4 + tokens * spec.hidden_size * 2 + pairs * 8)
+    assert 3 * packed > 0.1 * packed + 1.1 * activations   # the bound can tell a dequantized copy
+    for _, cfg in cls.CONFIGS:
+        module(hidden, ids, weights, path="triton", tile=cfg)   # compile, caches
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        module(hidden, ids, weights, path="triton", tile=cfg)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        assert extra <= 0.1 * packed + 1.1 * activations, (cfg, extra, packed, activations)
 
 
 def test_gluon_fp8_gemm1_refuses_token_rows_past_32_bit_offsets():
