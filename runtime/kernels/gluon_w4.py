@@ -78,7 +78,8 @@ def _gemm(x_ptr, xrow, w_ptr, ws_ptr, wrow, K, acc_layout: gl.constexpr, ROWS: g
     x_ptrs = x_ptr + gl.convert_layout(xrow, gl.SliceLayout(1, row_layout)).to(gl.int64)[:, None] * K + ks[None, :]
     steps = K // 64
     for s in gl.static_range(STAGES - 1):
-        async_copy.async_copy_global_to_shared(x_smem.index(s), x_ptrs + s * 64)
+        # a K of fewer steps copies its last one again (never multiplied): step s past the end would read past the row
+        async_copy.async_copy_global_to_shared(x_smem.index(s), x_ptrs + gl.minimum(s, steps - 1) * 64)
         async_copy.commit_group()
     words, scales = _fetch(w_ptr, ws_ptr, wr, g, j, 0, K)
     a_smem.index(0).store(_decode(words, scales, ROWS))
