@@ -156,8 +156,8 @@ class Builds:
         Returns the model (a torch module); under a neural speculative mode its draft build is `model.draft`
         (`model.generate(..., speculative=k)` decodes with it). Raises a moegen error naming what did not match under `require`.
         """
-        facts_module, name, selection, chosen, _ = self._choose(model, sm, parallel, moe_config, speculative_config, checkpoint,
-                                                                checkpoint_name, mode)
+        choice = self._choose(model, sm, parallel, moe_config, speculative_config, checkpoint, checkpoint_name, mode)
+        facts_module, name, selection, chosen, _ = choice
         module = self.module(chosen.module)
         for reason in chosen.reasons:
             # Falling back is allowed, silently falling back is not (RULES TG5); `off` asked for it.
@@ -170,8 +170,7 @@ class Builds:
             if draft_checkpoint is not None:
                 # The draft's own folder too (this rank's draft, from the headers), before the target's weights load:
                 # for a real model that load takes minutes, and the draft's would fail only after it.
-                self.check_draft(model, sm, parallel, moe_config, speculative_config, name, mode, draft_checkpoint,
-                                 num_layers, ranks=(rank,))
+                self._check_draft(model, sm, parallel, choice, draft_checkpoint, num_layers, ranks=(rank,))
         extra = {} if dtype is None else {"dtype": dtype}
         if chosen.kind == "specialized":
             built = module.MODEL_CLASS(device=device, rank=rank, num_layers=num_layers, **extra)
@@ -216,8 +215,12 @@ class Builds:
         rank (serving.draft_folder.check_draft_tensors: each rank's draft, or each of `ranks`, built on the meta
         device). Returns None when the chosen build loads a draft, else why it decodes without one (then nothing
         reads `draft_checkpoint`)."""
-        facts_module, name, selection, chosen, layout = self._choose(model, sm, parallel, moe_config, speculative_config,
-                                                                     None, checkpoint_name, mode)
+        choice = self._choose(model, sm, parallel, moe_config, speculative_config, None, checkpoint_name, mode)
+        return self._check_draft(model, sm, parallel, choice, draft_checkpoint, num_layers, ranks)
+
+    def _check_draft(self, model, sm, parallel, choice, draft_checkpoint, num_layers, ranks):
+        """`check_draft` for the build `_choose` gave (`choice`): load_model checks the draft of the build it loads."""
+        facts_module, name, selection, chosen, layout = choice
         if selection.spec_mode is None:
             return "no speculative_config.mode: decoded with the target alone"
         held, why = self._held_draft(model, chosen, selection.spec_mode)
@@ -299,10 +302,11 @@ class Builds:
         kind, module = held.kind, held.module
         build = functools.partial(self._draft_class(held, chosen, name, sm, parallel, selection), device=device, rank=rank,
                                   **extra)
-        if draft_checkpoint is not None:
+        if draft_checkpoint is not None and checkpoint is None:
             from serving.config_check import check_draft_config
 
-            # The draft's own folder, before the draft allocates its parameters (an external drafter's config).
+            # The draft's own folder, before the draft allocates its parameters (an external drafter's config); a load
+            # from a checkpoint folder checked it before the target's weights (`_check_draft`).
             check_draft_config(self.facts(model), module.DRAFT, draft_checkpoint)
         self._refuse_unkept_aux(held, model, len(target.model.layers))
         draft = build()
