@@ -1,4 +1,5 @@
-"""Shared by the GPU tests: a module's CUDA-graph replay equals its eager call; a model's sm_90 build on this GPU."""
+"""Shared by the GPU tests: a module's CUDA-graph replay equals its eager call; a model's sm_90 build on this GPU; the
+CUDA memory a call allocates, and the workspaces an experts call may."""
 from __future__ import annotations
 
 import torch
@@ -36,6 +37,24 @@ def assert_graph_replay_matches_eager(module, spec, tokens: int, **call) -> None
         eager = module(hidden, ids, weights, **call)
         torch.cuda.synchronize()
         assert_rel_close(out.float().cpu(), eager.float().cpu(), 1e-6, 1e-6)
+
+
+def allocated_during(fn):
+    """(fn(), peak bytes, bytes still held at the end) of the CUDA allocations made while fn runs."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    return result, torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated() - base
+
+
+def experts_workspace_bytes(tokens: int, spec) -> int:
+    """An upper bound of what one call of a CUPY or TRITON experts module allocates besides its weights: routing ints,
+    FP8 codes and scales, the bf16 intermediate, fp32 down rows (TRITON's are bf16: half that), the output."""
+    pairs = tokens * spec.top_k
+    return (pairs * 4 * 6 + tokens * spec.hidden_size * 2 + pairs * spec.intermediate_size * 3
+            + pairs * spec.hidden_size * 4 + tokens * spec.hidden_size * 2 + pairs * 8)
 
 
 def sm90_build(model: str, dtype, seed: int = 4):

@@ -23,7 +23,7 @@ import torch
 from runtime import kernels as K
 from runtime.experts.base import DictExpertSource, ExpertParallel, MoeShape
 from runtime.experts.cupy_mma import CupyMmaBf16Experts
-from tests.gpu.helpers_graphs import assert_graph_replay_matches_eager
+from tests.gpu.helpers_graphs import allocated_during, assert_graph_replay_matches_eager, experts_workspace_bytes
 from tests.runtime.helpers_experts import (assert_rel_close, make_expert_tensors, random_hidden, random_routing,
                                           registry_classes)
 
@@ -367,16 +367,8 @@ def test_a_4bit_layer_keeps_its_weights_packed(cls):
     hidden = random_hidden(tokens, spec, seed=63).cuda()
     ids, weights = ids.cuda(), weights.cuda()
     module(hidden, ids, weights)      # compile, caches
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    module(hidden, ids, weights)
-    torch.cuda.synchronize()
-    extra = torch.cuda.max_memory_allocated() - base
-    pairs = tokens * spec.top_k
-    # workspaces: routing ints, fp8 codes and scales, bf16 intermediate, fp32 down rows, output
-    activations = (pairs * 4 * 6 + tokens * spec.hidden_size * 2 + pairs * spec.intermediate_size * 3
-                   + pairs * spec.hidden_size * 4 + tokens * spec.hidden_size * 2 + pairs * 8)
+    _, extra, _ = allocated_during(lambda: module(hidden, ids, weights))
+    activations = experts_workspace_bytes(tokens, spec)
     assert extra <= 0.1 * packed + 1.1 * activations, (extra, packed, activations)
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from runtime.experts.base import ExpertParallel
+from tests.gpu.helpers_graphs import allocated_during
 from tests.runtime import helpers_memory as mem
 from tests.runtime.helpers_experts import assert_rel_close, registry_classes
 
@@ -22,33 +23,23 @@ pytestmark = pytest.mark.gpu
 TORCH_4BIT = tuple(c for c in registry_classes("TORCH") if c.FORMAT not in ("bf16", "fp8_block_scales"))
 
 
-def _allocated_during(fn):
-    """(fn(), peak bytes, bytes still held at the end) of the CUDA allocations made while fn runs."""
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    result = fn()
-    torch.cuda.synchronize()
-    return result, torch.cuda.max_memory_allocated() - base, torch.cuda.memory_allocated() - base
-
-
 @pytest.mark.parametrize("cls", TORCH_4BIT, ids=lambda c: c.FORMAT)
 def test_torch_4bit_layer_peak_memory_on_the_gpu(cls):
     source = mem.packed_source(cls.FORMAT)
     bf16_source = mem.bf16_source(source, cls.FORMAT)
     hidden, ids, weights = mem.inputs("cuda")
-    twin, _, twin_held = _allocated_during(lambda: mem.bf16_layer(bf16_source, "cuda"))
+    twin, _, twin_held = allocated_during(lambda: mem.bf16_layer(bf16_source, "cuda"))
     twin(hidden, ids, weights)     # first call: cuBLAS workspace and handles, kept by torch
-    expected, activations, _ = _allocated_during(lambda: twin(hidden, ids, weights))
+    expected, activations, _ = allocated_during(lambda: twin(hidden, ids, weights))
     del twin
 
-    module, _, held = _allocated_during(lambda: cls.from_checkpoint(mem.SPEC, ExpertParallel(), source, "cuda"))
+    module, _, held = allocated_during(lambda: cls.from_checkpoint(mem.SPEC, ExpertParallel(), source, "cuda"))
     packed = module.packed_bytes()
     assert packed == sum(t.nbytes for t in source.tensors.values())
     assert packed <= held <= packed + 512 * len(list(module.buffers()))
     assert all(b.device.type == "cuda" and b.dtype != torch.bfloat16 for b in module.buffers())
     module(hidden, ids, weights)
-    out, forward_peak, _ = _allocated_during(lambda: module(hidden, ids, weights))
+    out, forward_peak, _ = allocated_during(lambda: module(hidden, ids, weights))
     assert_rel_close(out.float().cpu(), expected.float().cpu(), 1e-3, 2.0 ** -7)
     bound = mem.BOUND * (packed + activations)
     print(f"{cls.FORMAT}: packed {packed} B, activations {activations} B, held {held} B, "

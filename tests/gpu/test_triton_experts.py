@@ -24,7 +24,7 @@ import torch
 from runtime import kernels as K
 from runtime.experts.base import DictExpertSource, ExpertParallel, MoeShape
 from runtime.experts.triton_grouped import TritonWgmmaFp8BlockScalesExperts
-from tests.gpu.helpers_graphs import assert_graph_replay_matches_eager
+from tests.gpu.helpers_graphs import allocated_during, assert_graph_replay_matches_eager, experts_workspace_bytes
 from tests.runtime.helpers_experts import assert_rel_close, registry_classes, make_expert_tensors, random_hidden, random_routing
 
 pytestmark = pytest.mark.gpu
@@ -223,28 +223,21 @@ def test_every_prefill_tile_replays_in_a_cuda_graph(cls):
 def test_the_mxfp4_prefill_gemms_keep_the_weights_packed():
     """The Triton and Gluon MXFP4 GEMMs decode the packed words in their registers: a prefill call of each tile of
     `CONFIGS` allocates no more than its workspaces. A bf16 copy of the layer's weights (3.8x its packed bytes) would
-    not fit the bound; the bound's workspaces are the CUPY memory test's (an fp32 y: twice the bf16 one here)."""
+    not fit the bound."""
     cls = next(c for c in TRITON_EXPERTS if c.FORMAT == "w4a16_mxfp4")
     spec = MoeShape(2048, 768, 16, 8, "silu_glu")
     module = cls(spec, device="cuda")
     module.init_random(torch.Generator().manual_seed(64))
     packed = sum(b.numel() * b.element_size() for b in module.buffers())
     tokens = 512   # 256 rows an expert: the Triton path
-    pairs = tokens * spec.top_k
     ids, weights = random_routing(tokens, spec, seed=65)
     hidden = random_hidden(tokens, spec, seed=66).cuda()
     ids, weights = ids.cuda(), weights.cuda()
-    activations = (pairs * 4 * 6 + tokens * spec.hidden_size * 2 + pairs * spec.intermediate_size * 3
-                   + pairs * spec.hidden_size * 4 + tokens * spec.hidden_size * 2 + pairs * 8)
+    activations = experts_workspace_bytes(tokens, spec)
     assert 3 * packed > 0.1 * packed + 1.1 * activations   # the bound can tell a dequantized copy
     for _, cfg in cls.CONFIGS:
         module(hidden, ids, weights, path="triton", tile=cfg)   # compile, caches
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        module(hidden, ids, weights, path="triton", tile=cfg)
-        torch.cuda.synchronize()
-        extra = torch.cuda.max_memory_allocated() - base
+        _, extra, _ = allocated_during(lambda: module(hidden, ids, weights, path="triton", tile=cfg))
         assert extra <= 0.1 * packed + 1.1 * activations, (cfg, extra, packed, activations)
 
 
