@@ -100,8 +100,8 @@ def _gather_loads(x_ptr, w_desc, x_smem, w_smem, full, empty, sorted_pair_ptr, o
     i = 0
     for item in range(first, end, stride):
         pid_m, pid_n = _program(item, num_tiles, num_n, GROUP_M)
-        e, rows, rmask = _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr,
-                               gl.arange(0, BM, layout=gl.SliceLayout(1, layout)))
+        e, rows, _ = _tile(pid_m, tile_expert_ptr, tile_row_ptr, offs_ptr,
+                           gl.arange(0, BM, layout=gl.SliceLayout(1, layout)))
         # rows past the tile's end read its last row (_tile): the copies need no mask
         tok = gl.load(sorted_pair_ptr + rows) // TOP_K
         src = tok[:, None] * H + gl.arange(0, BK, layout=gl.SliceLayout(0, layout))[None, :]
