@@ -8,9 +8,10 @@ Per call, with no host synchronization (CUDA-graph capturable):
   4. FP8 formats quantize the intermediate;
   5. GEMM2 (down) writes fp32 rows; 6. `moe_combine` adds the down bias, weighs and sums each
      token's rows in fp32 and rounds once to bf16.
-A one-token call (a batch-1 decode step) takes the `pairs` path: its top-k experts are distinct, so
-each routing pair is its own tile (the `_pairs` GEMMs read the expert from the ids, and y's rows are
-the pairs) and step 1 is skipped; steps 2-6 compute the same values with one launch fewer.
+A one-token call (a batch-1 decode step) takes the `pairs` path: each routing pair is its own tile
+(the `_pairs` GEMMs read the expert from the ids, and y's rows are the pairs) and step 1 is skipped;
+steps 2-6 compute the same values with one launch fewer. Its top-k experts are distinct; a call of
+more tokens takes it too while the experts its pairs share are cheap to read again (`_pairs_pay`).
 The GEMMs are `moe_gemm` (tensor-core mma.sync, weights streamed from HBM into registers and
 dequantized there, so quantized weights stay packed on the device); the W4A16 decode tiles run its staged
 variant (`path` 'staged': a producer warp copies weights and token rows into shared memory ahead of the
@@ -34,18 +35,13 @@ from .. import kernels as K
 from ..graphs import kernel_counters
 from .base import ExpertParallel, ExpertsBase, MoeShape
 from .cupy_layout import buffer_specs, convert
+from .cupy_plan import CupyPlan, row_blocks
 
 _ACT_KIND = {"silu_glu": 0, "swiglu_oai": 1, "relu2": 0}
 _MAX_LOCAL_EXPERTS = 1024   # moe_align: one thread per local expert
 # pairs per CTA of the multi-CTA sort (moe_align_count / _scatter); calls with at most this many pairs
 # (decode) sort in one CTA, one launch
 _ALIGN_CTA_PAIRS = 2048
-# A GEMM item's fixed cost in 64-chunks of K walked (the split-K rule's model, `_split`). Any value above 8, up
-# to 56, picks the faster factor in every cell timed with each factor forced on the H200 (BENCHMARKS.md: the
-# 4-bit decode GEMMs of the eleventh session, deepseek_v3's FP8 GEMMs at one token of the fourteenth: gate/up
-# SK = 2, down SK = 1); the ratios of those times fit 2.6 to 38, so the model ranks factors, it does not
-# predict times.
-_ITEM_OVERHEAD_CHUNKS = 12
 
 
 def _p(t: torch.Tensor | None) -> np.uint64:
@@ -53,13 +49,6 @@ def _p(t: torch.Tensor | None) -> np.uint64:
 
 
 _i, _f = np.int32, np.float32   # kernel int and float arguments
-
-
-def _row_blocks(n: int, tile) -> int:
-    """Output-row blocks of one token tile for a GEMM of `n` rows: each CTA's 4 warps form 4 / SK groups of MT
-    16-row m-tiles (tile = (MT, NT) or (MT, NT, SK); moe_kernels.cu's `nblocks`)."""
-    sk = tile[2] if len(tile) > 2 else 1
-    return math.ceil(n // 16 / (4 // sk * tile[0]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,22 +62,16 @@ class _Tiles:
     by_pair: bool = False
 
 
-class _CupyMmaExperts(ExpertsBase):
+class _CupyMmaExperts(CupyPlan, ExpertsBase):
     """Shape constraints: hidden size and this rank's intermediate size multiples of 64 (128 for
     fp8_block_scales: the weight blocks), at most 1024 local experts. Runs on CUDA SM 9.0 only; the
     host CPU is refused. CUDA-graph capturable (warm it up once outside the capture: the first call
     compiles the kernels)."""
 
-    # rows per expert (average) from which bf16 layers use torch._grouped_mm for both GEMMs
-    GROUPED_MM_MIN_ROWS = 64
     # fill the workspaces and the output with NaN before each call (tests: catches unwritten reads)
     debug_poison = False
     # warp tiles compiled besides `plan`'s (for `forward(..., tile=)` measurements)
     extra_tiles: tuple[tuple[int, int], ...] = ()
-    # token tile (1, NT) -> (GEMM1's, GEMM2's) (KC, ST): the sorted path's tiles that `plan` runs on the staged GEMM
-    # (kernels.STAGED; W4A16 formats), with KC chunks of K a stage and ST stages (None: that GEMM runs the register
-    # kernel); the other tiles run the register GEMM
-    STAGED_PLAN: dict = {}
 
     def __init__(self, spec: MoeShape, parallel: ExpertParallel = ExpertParallel(), device=None,
                  dtype: torch.dtype = torch.bfloat16):
@@ -146,25 +129,6 @@ class _CupyMmaExperts(ExpertsBase):
         self._kernels(device)
         self._local_map(device)
         self._align_ticket(device)
-
-    def plan(self, tokens: int, top_k: int) -> tuple[str, tuple[int, int]]:
-        """('pairs' | 'grouped_mm' | 'kernels', warp tile) for a call with `tokens` tokens: a host-side
-        choice on the shape only (fixed for a CUDA graph of that shape); 'pairs' for one token."""
-        if tokens == 1:   # its pairs name distinct experts: one tile each reads every expert once
-            return "pairs", K.SPLIT_TILE
-        rows = tokens * top_k / self.spec.num_experts   # expected rows per expert, uniform routing
-        # size the token tile for a busy expert (mean + 2 sigma of a Poisson count): an expert whose
-        # rows overflow the tile streams its weights once more
-        busy = rows + 2 * math.sqrt(rows)
-        tiles = K.tiles(self.FORMAT)
-        tile = tiles[-1]
-        for candidate in tiles:
-            if busy <= 8 * candidate[1]:
-                tile = candidate
-                break
-        if self.FORMAT == "bf16" and self.GROUPED_MM_MIN_ROWS is not None and rows >= self.GROUPED_MM_MIN_ROWS:
-            return "grouped_mm", tile
-        return ("staged" if tile in self.STAGED_PLAN else "kernels"), tile
 
     def _empty(self, shape, dtype, device, poison):
         t = torch.empty(shape, dtype=dtype, device=device)
@@ -322,32 +286,6 @@ class _CupyMmaExperts(ExpertsBase):
                      _i(hsize), _i(weights.shape[1]), _p(ids), _p(local_map), _i(self.spec.num_experts)), stream)
         return out if dtype == torch.bfloat16 else out.to(dtype)
 
-    def _split(self, kern, epi, tile, pairs, n, k, pair_tiles: bool = False):
-        """`tile` with the split-K factor of this GEMM (`n` rows, K = `k`): the one of least modelled time,
-        waves x (chunks of K per warp + _ITEM_OVERHEAD_CHUNKS). A wave is one item for every resident CTA
-        (for the most token tiles `pairs` routed rows can make); a warp walks its 1/SK of K's 64-chunks and
-        pays a fixed cost per item (its loads' first latency, the epilogue, split K's barrier). Where the
-        largest split fits one wave, it wins: a decode call with few active experts spreads K over more
-        warps instead of leaving SMs idle (split within one wave 27-29 % faster, BENCHMARKS.md). Where even
-        SK = 1 takes more than one wave, a split wins only when it fills the last wave better: SK = 1's
-        1.29 waves at deepseek_v3's one-token gate/up leave 70 % of the CTAs idle in the second (SK = 2:
-        75.6 -> 71.0 µs). Host-side, from the shape only (CUDA graphs)."""
-        if len(tile) > 2:
-            return tuple(tile)
-        # token tiles <= m + (pairs - m) // bt, m = min(experts, pairs): every active expert's first
-        # tile, plus one per further bt rows (tighter than _route's allocation bound)
-        bt = 8 * tile[1]
-        m = min(len(self.expert_ids), pairs)
-        tiles = m + (pairs - m) // bt
-
-        def cost(sk):
-            split = (*tile, sk)
-            grid = kern.persistent_grid(K.gemm_name(self.FORMAT, epi, split, pairs=pair_tiles), 1 << 30)
-            waves = -(-tiles * _row_blocks(n, split) // grid)
-            return waves * (k / 64 / sk + _ITEM_OVERHEAD_CHUNKS)
-
-        return (*tile, min((1,) + K.splits(tile), key=lambda sk: (cost(sk), -sk)))
-
     def _gemm(self, kern, stream, epi, tile, tiles: _Tiles, w, ws, ws2, a, a_scale, a_by_token, bias, out, n, k,
               inter, top_k, kind, alpha, limit, staging=None):
         if staging is None:
@@ -357,7 +295,7 @@ class _CupyMmaExperts(ExpertsBase):
             name = K.gemm_name(self.FORMAT, epi, tile, staging=staging)
             threads, smem = K.STAGED_THREADS, K.staged_smem(K.WF[self.FORMAT], tile[1], *staging)
         self.last_gemm_kernels["gemm2" if epi == K.EPI_DOWN else "gemm1"] = name
-        grid = kern.persistent_grid(name, tiles.count * _row_blocks(n, tile), threads, smem)
+        grid = kern.persistent_grid(name, tiles.count * row_blocks(n, tile), threads, smem)
         kern.launch(name, (grid,), (threads,),
                     (_p(w), _p(ws), _p(ws2), _p(a), _p(a_scale), _i(a_by_token), *tiles.args, _p(bias), _p(out),
                      _i(n), _i(k), _i(inter), _i(top_k), _i(kind), _f(alpha), _f(limit)), stream, smem)

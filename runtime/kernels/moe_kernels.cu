@@ -26,8 +26,9 @@
 //  * a persistent grid walks (token tile, n-block) items; the item count comes from the device, so
 //    nothing is read back to the host and the whole op is CUDA-graph capturable.
 //  * pair tiles (the `_pairs` entry points) skip the sort for one-token calls, whose top-k experts
-//    are distinct: tile p is routing pair p (its expert read from the ids, one row), so neither GEMM
-//    nor moe_combine needs moe_align's arrays, and the call has one launch fewer.
+//    are distinct, and for calls whose shared experts are cheap to read again: tile p is routing pair
+//    p (its expert read from the ids, one row), so neither GEMM nor moe_combine needs moe_align's
+//    arrays, and the call has one launch fewer.
 //  * every kernel is launched with programmatic dependent launch and waits (griddepcontrol.wait) before
 //    it reads an earlier kernel's output, with coherent loads only; GEMM2 issues its first weight loads
 //    before its wait, overlapping GEMM1's end.
@@ -1476,7 +1477,7 @@ __device__ __forceinline__ void moe_gemm_staged_impl(
 // split-K variants: the name carries SK as a sixth number
 #define MOE_GEMM_INSTANCE_SPLIT(WF, AQ, EPI, MT, NT, SK)                                                    \
   MOE_GEMM_KERNEL(moe_gemm_##WF##_##AQ##_##EPI##_##MT##_##NT##_##SK, WF, AQ, EPI, MT, NT, SK)
-// pair tiles (one-token calls, no moe_align): the (1, 1) warp tile, named with its SK and `pairs`
+// pair tiles (calls without moe_align): the (1, 1) warp tile, named with its SK and `pairs`
 #define MOE_GEMM_INSTANCE_PAIRS(WF, AQ, EPI, SK)                                                            \
   extern "C" __global__ void __launch_bounds__(THREADS) moe_gemm_##WF##_##AQ##_##EPI##_1_1_##SK##_pairs(    \
       const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2,                   \

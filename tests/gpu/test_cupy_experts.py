@@ -154,11 +154,13 @@ def test_split_k_decode_kernels_match_vanilla_and_repeat_exactly(cls):
     assert_rel_close(out.cpu(), _reference(cls, real, tensors, hidden, ids, weights), *_tolerance(cls.FORMAT))
 
 
+@pytest.mark.parametrize("tokens", [1, 3])
 @pytest.mark.parametrize("activation", ["silu_glu", "swiglu_oai", "relu2"])
 @pytest.mark.parametrize("cls", CUPY_EXPERTS, ids=lambda c: c.FORMAT)
-def test_one_token_pairs_path_gives_the_sorted_paths_bits(cls, activation):
-    """A one-token call plans the pairs path (no moe_align: each routing pair is a tile). On fresh random
-    inputs it gives the sorted kernels' output bit for bit at every split-K factor of the decode tile:
+def test_the_pairs_path_gives_the_sorted_paths_bits(cls, activation, tokens):
+    """A one-token call plans the pairs path (no moe_align: each routing pair is a tile), and so does a call of
+    three tokens on these small experts (experts shared by its pairs are read again: well under 8 MiB). On fresh
+    random inputs it gives the sorted kernels' output bit for bit at every split-K factor of the decode tile:
     on the whole layer, on each expert-parallel and MoE-TP rank (pairs of another rank's experts
     skipped), and with a dropped slot (id -1); and VANILLA's output within the usual bounds."""
     h, i = (384, 256) if cls.FORMAT == "fp8_block_scales" else (320, 128)   # MoE-TP halves: 128 and 64
@@ -167,14 +169,16 @@ def test_one_token_pairs_path_gives_the_sorted_paths_bits(cls, activation):
     tensors = make_expert_tensors(spec, cls.FORMAT, seed=zlib.crc32(f"pairs{cls.FORMAT}{activation}".encode()) % 1000,
                                   weight_std=3.0 if bias else 1.0)
     whole = _module(cls, spec, tensors)
-    assert whole.plan(1, spec.top_k) == ("pairs", K.SPLIT_TILE)
     ranks = [_module(cls, spec, tensors, ExpertParallel(ep_size=2, ep_rank=r)) for r in range(2)]
     ranks += [_module(cls, spec, tensors, ExpertParallel(moe_tp_size=2, moe_tp_rank=r)) for r in range(2)]
+    assert [m.plan(tokens, spec.top_k) for m in [whole] + ranks] == [("pairs", K.SPLIT_TILE)] * 5
     for seed in (3, 4):
-        ids, weights = random_routing(1, spec, seed=100 + seed)
+        ids, weights = random_routing(tokens, spec, seed=100 + seed + 10 * tokens)
+        if tokens > 1:
+            ids[1] = ids[0]     # two tokens on the same experts: their pairs read those experts twice
         if seed == 4:
             ids[0, 1] = -1      # a dropped slot contributes nothing on either path
-        hidden = random_hidden(1, spec, seed=200 + seed)
+        hidden = random_hidden(tokens, spec, seed=200 + seed + 10 * tokens)
         args = (hidden.cuda(), ids.cuda(), weights.cuda())
         for module in [whole] + ranks:
             for sk in (1,) + K.SPLITS:
@@ -211,11 +215,12 @@ def test_a_top_k_beyond_one_combine_batch_sums_every_pair(tokens, bias):
     assert_rel_close(total.cpu(), out.float().cpu(), 4e-3, 8e-2)
 
 
-def test_the_pairs_path_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_the_pairs_path_replays_in_a_cuda_graph(tokens):
     spec = MoeShape(320, 192, 8, 2, "swiglu_oai", expert_bias=True)
     module = _module(CupyMmaBf16Experts, spec, make_expert_tensors(spec, "bf16", seed=43, weight_std=3.0))
-    assert module.plan(1, spec.top_k)[0] == "pairs"
-    assert_graph_replay_matches_eager(module, spec, 1)
+    assert module.plan(tokens, spec.top_k)[0] == "pairs"
+    assert_graph_replay_matches_eager(module, spec, tokens)
 
 
 @pytest.mark.parametrize("cls", [c for c in CUPY_EXPERTS if "mxfp4" in c.FORMAT], ids=lambda c: c.FORMAT)

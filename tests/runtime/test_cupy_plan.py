@@ -22,18 +22,33 @@ def _module(cls, experts=128, top_k=8):
     return cls(spec, ExpertParallel(), device="meta")
 
 
+# The most tokens a call of Qwen3-30B-A3B's experts (128, top-8) runs on the pairs path, per format: the pairs beyond
+# the expected distinct experts, E (1 - (1 - k/E)^T), re-read at most PAIRS_MAX_EXTRA_BYTES (8 MiB). bf16 experts
+# hold 9.4 MB: 2 tokens re-read 0.50 of one (4.7 MB), 3 tokens 1.47 (13.9 MB). FP8 4.7 MB: 3 tokens 6.9 MB, 4 tokens
+# 2.88 experts, 13.6 MB. The 4-bit formats 2.4 MB: 4 tokens 6.8 MB, 5 tokens 4.70 experts, 11.1 MB.
+FOUR_BIT = ("w4a16_mxfp4", "w4a16_nvfp4", "w4a8_mxfp4_fp8")
+LAST_PAIRS_TOKENS = {"bf16": 2, "fp8_block_scales": 3, **{fmt: 4 for fmt in FOUR_BIT}}
+
+
 @pytest.mark.parametrize("cls", CUPY, ids=lambda c: c.IMPL_ID)
-def test_one_token_plans_the_pairs_path_and_more_tokens_the_sorted_one(cls):
+def test_a_few_tokens_plan_the_pairs_path_while_their_shared_experts_are_cheap_to_read_again(cls):
     module = _module(cls)
-    assert module.plan(1, 8) == ("pairs", K.SPLIT_TILE)
-    for tokens in (2, 8, 64):
+    last = LAST_PAIRS_TOKENS[cls.FORMAT]
+    for tokens in range(1, last + 1):
+        assert module.plan(tokens, 8) == ("pairs", K.SPLIT_TILE), tokens
+    for tokens in (last + 1, 8, 64):
         assert module.plan(tokens, 8)[0] in ("kernels", "grouped_mm", "triton", "staged"), tokens
+    # deepseek_v3's experts (7168 x 2048, 256 of them): two tokens re-read 0.25 of one, 22 MB in bf16, 11 MB in FP8,
+    # 5.5 MB in the 4-bit formats
+    large = cls(MoeShape(7168, 2048, 256, 8, "silu_glu"), ExpertParallel(), device="meta")
+    assert large.plan(1, 8)[0] == "pairs"
+    assert (large.plan(2, 8)[0] == "pairs") == (cls.FORMAT in FOUR_BIT)
 
 
 @pytest.mark.parametrize("cls", CUPY, ids=lambda c: c.IMPL_ID)
 def test_w4a16_decode_tiles_plan_the_staged_gemms_and_other_formats_the_register_ones(cls):
     module = _module(cls)
-    for tokens in (2, 8, 64, 128):   # Qwen3-30B-A3B's experts: tiles (1, 1) and, at 128 tokens, (1, 2)
+    for tokens in (5, 8, 64, 128):   # Qwen3-30B-A3B's experts: tiles (1, 1) and, at 128 tokens, (1, 2)
         path, tile = module.plan(tokens, 8)
         if cls.FORMAT in ("w4a16_mxfp4", "w4a16_nvfp4"):
             assert (path, module._staging(tile, None)) == ("staged", ((8, 2), (8, 2))), tokens
