@@ -6,8 +6,8 @@ the wgmma rate. Here, once a call routes enough rows per expert (`TRITON_MIN_ROW
 bf16, 64 for MXFP4), both GEMMs run
 as Triton grouped GEMMs (runtime/kernels/triton_grouped.py) over the same CUPY routing, activation
 quantization and combine kernels; smaller calls run the CUPY path unchanged. Same buffers and weight
-layouts as the CUPY class of the format (weights stay packed: FP8 codes and block scales, MXFP4 words
-decoded to bf16 in the GEMMs' registers).
+layouts as the CUPY class of the format (weights stay packed: FP8 codes and block scales, MXFP4 and NVFP4
+words decoded to bf16 in the GEMMs' registers).
 
 Per prefill call, with no host synchronization (CUDA-graph capturable): `moe_align` (tiles of BM
 rows of one expert), FP8 only: `quant_fp8_rows` of the tokens (1x128 groups), `gemm1`
@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from .. import kernels as K
-from .cupy_mma import CupyMmaBf16Experts, CupyMmaFp8BlockScalesExperts, CupyMmaW4a16Mxfp4Experts, _i, _p
+from .cupy_mma import (CupyMmaBf16Experts, CupyMmaFp8BlockScalesExperts, CupyMmaW4a16Mxfp4Experts,
+                       CupyMmaW4a16Nvfp4Experts, _i, _p)
 
 _ACT = {"silu_glu": 0, "swiglu_oai": 1, "relu2": 2}
 
@@ -89,12 +90,13 @@ class _TritonGroupedExperts:
         else:
             h = self._empty((pairs, inter), torch.bfloat16, device, poison)
         s13, s2 = (self.s13, self.s2) if fmt != "bf16" else (None, None)
-        T.launch_gemm1(a1, as1, self.w13, s13, self.b13 if spec.expert_bias else None, sorted_pair, offs,
+        g13, g2 = (self.g13, self.g2) if fmt == "w4a16_nvfp4" else (None, None)
+        T.launch_gemm1(a1, as1, self.w13, s13, g13, self.b13 if spec.expert_bias else None, sorted_pair, offs,
                        tile_expert, tile_row, num_tiles, h, hs, hidden=hsize, inter=inter, top_k=top_k,
                        max_tiles=max_tiles, alpha=spec.swiglu_alpha, limit=spec.swiglu_limit, fmt=fmt,
                        gated=spec.gated, act=_ACT[spec.activation], cfg=cfg1)
         y = self._empty((pairs, hsize), torch.bfloat16, device, poison)
-        T.launch_gemm2(h, hs, self.w2, s2, offs, tile_expert, tile_row, num_tiles, y, hidden=hsize, inter=inter,
+        T.launch_gemm2(h, hs, self.w2, s2, g2, offs, tile_expert, tile_row, num_tiles, y, hidden=hsize, inter=inter,
                        max_tiles=max_tiles, fmt=fmt, cfg=cfg2)
         return self._combine(kern, stream, y, 1, pair_pos, sorted_expert, weights, tokens, hidden.dtype)
 
@@ -143,4 +145,15 @@ class TritonWgmmaW4a16Mxfp4Experts(_TritonGroupedExperts, CupyMmaW4a16Mxfp4Exper
     # Triton's CPU interpreter runs.
     TRITON_MIN_ROWS = 64
     CONFIGS = ((256, ((64, 64, 64, 8, 4, 8, True, True), (64, 128, 64, 8, 4, 8, True, True))),
+               (1e9, ((128, 64, 64, 8, 3, 8, True), (128, 128, 64, 8, 3, 8, True))))
+
+
+class TritonWgmmaW4a16Nvfp4Experts(_TritonGroupedExperts, CupyMmaW4a16Nvfp4Experts):
+    __doc__ = ("TRITON, NVFP4 weights kept packed (the CUPY layout) and decoded to bf16 in the Triton GEMMs' registers "
+               "with their E4M3 block scales, the per-expert scales in the epilogue, for prefill; the CUPY kernels "
+               "for decode. " + _TritonGroupedExperts.__doc__)
+    IMPL_ID = "triton.wgmma.grouped_gemm.w4a16_nvfp4"
+    # MXFP4's packed Triton tiles and row bound (its Gluon kernel decodes E8M0 scales only); not yet timed for NVFP4.
+    TRITON_MIN_ROWS = 64
+    CONFIGS = ((256, ((64, 64, 64, 8, 4, 8, True), (64, 128, 64, 8, 4, 8, True))),
                (1e9, ((128, 64, 64, 8, 3, 8, True), (128, 128, 64, 8, 3, 8, True))))

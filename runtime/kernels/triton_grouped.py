@@ -12,10 +12,11 @@ bf16 rounding of the intermediate and, for FP8, its 1x128 quantization (the outp
 128-channel group) in the epilogue. `gemm2`: down projection into bf16 rows in sorted order, for
 the CUPY `moe_combine`. FP8: one 128x128 weight block scale and one 1x128 activation scale per
 K-block, promoted into the fp32 accumulator after each block's product (as DeepSeek's recipe does).
-MXFP4 (W4): the packed words (runtime/kernels/layouts.BF16_WORD bit layout, 8 elements a word, rows tiled by
-16 x 64: layouts.tile_rows) come through TMA, 64 K elements a step, and are decoded with their E8M0 scales
-into an exact bf16 block in registers, the dot's first operand (wgmma reads it from registers; the accumulator
-is transposed once after the K loop); activations stay bf16.
+MXFP4 and NVFP4 (W4): the packed words (runtime/kernels/layouts.BF16_WORD bit layout, 8 elements a word, rows
+tiled by 16 x 64: layouts.tile_rows) come through TMA, 64 K elements a step, and are decoded with their block
+scales (E8M0 per 32, or E4M3 per 16) into an exact bf16 block in registers, the dot's first operand (wgmma reads
+it from registers; the accumulator is transposed once after the K loop); NVFP4's per-expert fp32 scale multiplies
+the accumulator in the epilogue. Activations stay bf16.
 """
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ from .layouts import BF16_WORD_MAG, BF16_WORD_SIGN
 ACT_SILU_GLU, ACT_SWIGLU_OAI, ACT_RELU2 = 0, 1, 2
 _SCALE_BLOCK = tl.constexpr(128)
 _TWO_126 = tl.constexpr(2.0 ** 126)
+_TWO_110 = tl.constexpr(2.0 ** 110)
+# W4 formats: 0 none, 1 MXFP4 (E8M0 scale per 32 elements), 2 NVFP4 (E4M3 scale per 16, fp32 scale per expert)
+W4_FORMATS = {"w4a16_mxfp4": 1, "w4a16_nvfp4": 2}
 _MAG, _SIGN = tl.constexpr(BF16_WORD_MAG), tl.constexpr(BF16_WORD_SIGN)
 
 
@@ -68,9 +72,10 @@ def _fp4_pair(p, f):
 @triton.jit
 def _fp4_pair_packed(p, mul1, mul2):
     """`_fp4_pair` in two fma.rn.bf16x2 on the packed pair (moe_kernels.cu's decode): times the bf16x2 factors
-    mul1 = 2^(min(s, 128) - 1) and mul2 = 2^(max(s, 128) - 128), whose product is 2^126 * 2^(s - 127) (two, as
-    bf16 stops at 2^127); exact, powers of two on E2M1 values, subnormals included. Inline PTX: GPU only (the
-    interpreter runs `_fp4_pair`). GEMM1's K loop 398 -> 334 PTX instructions (offline, Triton 3.6, sm_90a)."""
+    mul1 and mul2 whose product is 2^126 times the block scale (two, as bf16 stops at 2^127): for MXFP4
+    2^(min(s, 128) - 1) and 2^(max(s, 128) - 128), for NVFP4 the E4M3 scale * 2^110 and 2^16. Exact: E2M1 values
+    times scales of at most 4 significant bits, subnormals included. Inline PTX: GPU only (the interpreter runs
+    `_fp4_pair`). GEMM1's K loop 398 -> 334 PTX instructions (offline, Triton 3.6, sm_90a, MXFP4)."""
     return tl.inline_asm_elementwise(
         "{ .reg .b32 t, z; mov.b32 z, 0x80008000; fma.rn.bf16x2 t, $2, $3, z; fma.rn.bf16x2 t, t, $4, z; "
         "mov.b32 {$0, $1}, t; }",
@@ -78,32 +83,47 @@ def _fp4_pair_packed(p, mul1, mul2):
 
 
 @triton.jit
-def _mxfp4_block(w_desc, ws_ptr, w_row0, wrows, k0, K, BK: tl.constexpr, PACKED: tl.constexpr):
+def _fp4_block(w_desc, ws_ptr, w_row0, wrows, k0, K, BK: tl.constexpr, PACKED: tl.constexpr, W4: tl.constexpr):
     """bf16 weights [rows, BK] of the global weight rows `wrows` (from descriptor row w_row0), K from k0, decoded
-    from packed FP4 words (layouts.BF16_WORD, as moe_kernels.cu's fp4_to_bf16x8 does) and their E8M0 scales
-    (PACKED: in bf16x2 pairs, `_fp4_pair_packed`)."""
+    from packed FP4 words (layouts.BF16_WORD, as moe_kernels.cu's fp4_to_bf16x8 does) times their block scales
+    (W4 1: E8M0 per 32 elements; 2: E4M3 per 16, the products exact in bf16: 2 and 4 significant bits) (PACKED: in
+    bf16x2 pairs, `_fp4_pair_packed`)."""
     # [rows / 16, 16, 8] words: the 16 x 64 tiles of the rows at chunk k0 / 64 (BK == 64)
     x = w_desc.load([w_row0 // 16, k0 // 4, 0])
     x = tl.reshape(x, [x.shape[0] * 16, BK // 8]).to(tl.uint32, bitcast=True)
     word = k0 // 8 + tl.arange(0, BK // 8)
-    # the scales' 16 x 64 tiles (layouts.tile_rows: 32 bytes, 2 a row): MX block (word % 8) // 4 of chunk k0 / 64
+    # the scales' 16 x 64 tiles (layouts.tile_rows: SB bytes a row, one per 64 / SB elements): the scale of word w
+    # (8 elements) of chunk k0 / 64 is byte (w % 8) // (8 / SB) of its row
+    SB: tl.constexpr = 2 if W4 == 1 else 4
     tile = (wrows // 16).to(tl.int64) * (K // 64) + k0 // 64
-    s = tl.load(ws_ptr + (tile * 32 + (wrows % 16) * 2)[:, None] + (word % 8 // 4)[None, :]).to(tl.uint32)
+    s = tl.load(ws_ptr + (tile * 16 * SB + (wrows % 16) * SB)[:, None] + (word % 8 // (8 // SB))[None, :])
+    s = s.to(tl.uint8, bitcast=True)
     p0 = x & (_MAG | _SIGN)
     p1 = ((x >> 3) & _MAG) | ((x << 15) & _SIGN)
     p2 = ((x >> 6) & _MAG) | ((x << 14) & _SIGN)
     p3 = ((x << 3) & _MAG) | ((x << 13) & _SIGN)
     if PACKED:
-        # bf16x2 exponent fields min(s, 128) + 126 and max(s, 128) - 1, in both halves
-        mul1 = ((tl.minimum(s, 128) + 126) << 7) * 0x10001
-        mul2 = ((tl.maximum(s, 128) - 1) << 7) * 0x10001
+        if W4 == 1:
+            # bf16x2 exponent fields min(s, 128) + 126 and max(s, 128) - 1, in both halves
+            s = s.to(tl.uint32)
+            mul1 = ((tl.minimum(s, 128) + 126) << 7) * 0x10001
+            mul2 = ((tl.maximum(s, 128) - 1) << 7) * 0x10001
+        else:
+            # the E4M3 scale * 2^110 (exact in bf16; 2^126 would pass bf16's top at scales of 2 and above), then 2^16
+            mul1 = (s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _TWO_110).to(tl.bfloat16)
+            mul1 = mul1.to(tl.uint16, bitcast=True).to(tl.uint32) * 0x10001
+            mul2 = tl.full(s.shape, 0x47804780, tl.uint32)   # bf16x2 2^16
         e0, e1 = _fp4_pair_packed(p0, mul1, mul2)
         e2, e3 = _fp4_pair_packed(p1, mul1, mul2)
         e4, e5 = _fp4_pair_packed(p2, mul1, mul2)
         e6, e7 = _fp4_pair_packed(p3, mul1, mul2)
     else:
-        # 2^(s - 127); byte 0 is 2^-127, an fp32 subnormal
-        f = tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
+        if W4 == 1:
+            # 2^(s - 127); byte 0 is 2^-127, an fp32 subnormal
+            s = s.to(tl.uint32)
+            f = tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
+        else:
+            f = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         e0, e1 = _fp4_pair(p0, f)
         e2, e3 = _fp4_pair(p1, f)
         e4, e5 = _fp4_pair(p2, f)
@@ -151,7 +171,7 @@ def _fp8_codes(hf, scale):
 
 
 @triton.jit
-def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr,
+def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, g_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr,
           num_tiles_ptr, h_ptr, hs_ptr, H, INTER, TOP_K, max_tiles, alpha, limit,
           FP8: tl.constexpr, W4: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
@@ -187,9 +207,12 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, ti
         acc_t = tl.zeros([BNW, BM], dtype=tl.float32)
         for k0 in range(0, H, BK):
             a = tl.load(a_ptrs)
-            acc_t = tl.dot(_mxfp4_block(w_desc, ws_ptr, w_row0, e * n1 + wrow, k0, H, BK, PACKED), a.T, acc_t)
+            acc_t = tl.dot(_fp4_block(w_desc, ws_ptr, w_row0, e * n1 + wrow, k0, H, BK, PACKED, W4), a.T, acc_t)
             a_ptrs += BK
         acc = tl.trans(acc_t)
+        if W4 == 2:
+            # NVFP4's scale per expert and projection, g13 [n, planes]
+            acc *= tl.load(g_ptr + e * PLANES + plane)[None, :]
     else:
         acc = tl.zeros([BM, BNW], dtype=tl.float32)
         for k0 in range(0, H, BK):
@@ -225,7 +248,7 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, bias_ptr, sorted_pair_ptr, offs_ptr, ti
 
 
 @triton.jit
-def gemm2(h_desc, hs_ptr, w_desc, ws_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, y_ptr,
+def gemm2(h_desc, hs_ptr, w_desc, ws_ptr, g_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, y_ptr,
           H, INTER, max_tiles, FP8: tl.constexpr, W4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
           BK: tl.constexpr, GROUP_M: tl.constexpr, PACKED: tl.constexpr):
     pid_m, pid_n = _program(tl.program_id(0), max_tiles, tl.cdiv(H, BN), GROUP_M)
@@ -247,8 +270,10 @@ def gemm2(h_desc, hs_ptr, w_desc, ws_ptr, offs_ptr, tile_expert_ptr, tile_row_pt
         acc_t = tl.zeros([BN, BM], dtype=tl.float32)
         for k0 in range(0, INTER, BK):
             a = h_desc.load([row0, k0])
-            acc_t = tl.dot(_mxfp4_block(w_desc, ws_ptr, w_row0, wrows, k0, INTER, BK, PACKED), a.T, acc_t)
+            acc_t = tl.dot(_fp4_block(w_desc, ws_ptr, w_row0, wrows, k0, INTER, BK, PACKED, W4), a.T, acc_t)
         acc = tl.trans(acc_t)
+        if W4 == 2:
+            acc *= tl.load(g_ptr + e)   # NVFP4's scale per expert, g2 [n]
     else:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, INTER, BK):
@@ -268,12 +293,12 @@ def _desc(t2d, block):
 
 
 def _weight_desc(w, fmt, rows, bk):
-    """TMA descriptor of a weight tensor [n, N, K] by blocks of `rows` x `bk` weights. MXFP4: [n, N, K / 2]
+    """TMA descriptor of a weight tensor [n, N, K] by blocks of `rows` x `bk` weights. MXFP4, NVFP4: [n, N, K / 2]
     bytes in 16 x 64 tiles (layouts.tile_rows), read as 32-bit words [n N / 16, K / 64 * 16, 8] (row
     block, chunk * 16 + row, word) by blocks of one chunk (`bk` 64) of `rows` / 16 row blocks."""
-    if fmt == "w4a16_mxfp4":
+    if fmt in W4_FORMATS:
         if bk != 64 or rows % 16:
-            raise ValueError(f"MXFP4 blocks are 64 K elements of whole 16-row tiles, got {rows} x {bk}")
+            raise ValueError(f"FP4 blocks are 64 K elements of whole 16-row tiles, got {rows} x {bk}")
         return _desc(w.view(torch.int32).reshape(-1, w.shape[-1] // 2, 8), (rows // 16, 16, 8))
     return _desc(w.reshape(-1, w.shape[-1]), (rows, bk))
 
@@ -297,10 +322,10 @@ def _overlap_cfg(fmt, bm, bn, bk, warps, stages, group_m, packed):
                      f"and 4 warps each 64 token rows, got {fmt} {(bm, bn, bk, warps, stages, group_m, packed)}")
 
 
-def launch_gemm1(x, xs, w, ws, bias, sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs, *, hidden,
+def launch_gemm1(x, xs, w, ws, g, bias, sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs, *, hidden,
                  inter, top_k, max_tiles, alpha, limit, fmt, gated, act, cfg):
-    """GEMM1 over w13 [n, N1, H] (gate/up interleaved) of weight format `fmt` (bf16, fp8_block_scales or
-    w4a16_mxfp4; ws: its block scales); cfg = (BM, BN of h, BK, warps, stages[, GROUP_M[, packed[, overlap]]])
+    """GEMM1 over w13 [n, N1, H] (gate/up interleaved) of weight format `fmt` (bf16, fp8_block_scales, w4a16_mxfp4
+    or w4a16_nvfp4; ws: its block scales, g: NVFP4's scales per expert and projection [n, planes]); cfg = (BM, BN of h, BK, warps, stages[, GROUP_M[, packed[, overlap]]])
     (packed: the MXFP4 decode in bf16x2 pairs, `_fp4_pair_packed`; overlap: the gluon_w4 kernel, whose decode of a
     K step overlaps the previous step's wgmma, or for FP8 gluon_fp8's warp-specialized kernel)."""
     bm, bn, bk, warps, stages, group_m, packed, overlap = _config(cfg)
@@ -327,14 +352,16 @@ def launch_gemm1(x, xs, w, ws, bias, sorted_pair, offs, tile_expert, tile_row, n
     grid = (max_tiles * triton.cdiv(inter, bn),)
     dummy = offs   # unused pointer arguments of a variant (never read)
     gemm1[grid](x, xs if fp8 else dummy, _weight_desc(w, fmt, bnw, bk), dummy if ws is None else ws,
-                bias if bias is not None else dummy, sorted_pair, offs, tile_expert, tile_row, num_tiles, h,
+                dummy if g is None else g, bias if bias is not None else dummy, sorted_pair, offs, tile_expert, tile_row, num_tiles, h,
                 hs if fp8 else dummy, hidden, inter, top_k, max_tiles, alpha, limit,
-                FP8=fp8, W4=fmt == "w4a16_mxfp4", GATED=gated, ACT=act, HAS_BIAS=bias is not None, BM=bm, BN=bn,
+                FP8=fp8, W4=W4_FORMATS.get(fmt, 0), GATED=gated, ACT=act, HAS_BIAS=bias is not None, BM=bm, BN=bn,
                 BK=bk, GROUP_M=group_m, PACKED=packed, num_warps=warps, num_stages=stages)
 
 
-def launch_gemm2(h, hs, w, ws, offs, tile_expert, tile_row, num_tiles, y, *, hidden, inter, max_tiles, fmt, cfg):
-    """GEMM2 over w2 [n, H, I] of weight format `fmt` into bf16 rows y [pairs, H] (ws: its block scales);
+def launch_gemm2(h, hs, w, ws, g, offs, tile_expert, tile_row, num_tiles, y, *, hidden, inter, max_tiles, fmt,
+                 cfg):
+    """GEMM2 over w2 [n, H, I] of weight format `fmt` into bf16 rows y [pairs, H] (ws: its block scales; g: NVFP4's
+    scales per expert [n]);
     cfg = (BM, BN, BK, warps, stages[, GROUP_M[, packed[, overlap]]]), as gemm1's."""
     bm, bn, bk, warps, stages, group_m, packed, overlap = _config(cfg)
     if overlap and fmt == "fp8_block_scales":
@@ -354,6 +381,6 @@ def launch_gemm2(h, hs, w, ws, offs, tile_expert, tile_row, num_tiles, y, *, hid
         raise ValueError(f"FP8 gemm2 needs BK = 128 (one weight block), got {cfg}")
     grid = (max_tiles * triton.cdiv(hidden, bn),)
     gemm2[grid](_desc(h, (bm, bk)), hs if fp8 else offs, _weight_desc(w, fmt, bn, bk), offs if ws is None else ws,
-                offs, tile_expert, tile_row, num_tiles, y, hidden, inter, max_tiles, FP8=fp8,
-                W4=fmt == "w4a16_mxfp4", BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PACKED=packed, num_warps=warps,
+                offs if g is None else g, offs, tile_expert, tile_row, num_tiles, y, hidden, inter, max_tiles, FP8=fp8,
+                W4=W4_FORMATS.get(fmt, 0), BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PACKED=packed, num_warps=warps,
                 num_stages=stages)

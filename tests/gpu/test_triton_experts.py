@@ -34,7 +34,7 @@ pytest.importorskip("triton")
 TRITON_EXPERTS = registry_classes("TRITON")
 VANILLA = {cls.FORMAT: cls for cls in registry_classes("VANILLA")}
 # (hidden, intermediate): multiples of the K-blocks, not of the 128-wide output blocks (bf16)
-SHAPES = {"bf16": (320, 192), "fp8_block_scales": (384, 256), "w4a16_mxfp4": (320, 192)}
+SHAPES = {"bf16": (320, 192), "fp8_block_scales": (384, 256), "w4a16_mxfp4": (320, 192), "w4a16_nvfp4": (320, 192)}
 
 
 def _tolerance(fmt):
@@ -47,10 +47,11 @@ def _configs(cls):
     bk = 128 if cls.FORMAT == "fp8_block_scales" else 64
     small = ((16, small_n, bk, 4, 2), (16, 64, bk, 4, 2))
     configs = [cfg for _, cfg in cls.CONFIGS] + [small]
-    if cls.FORMAT == "w4a16_mxfp4":
+    if cls.FORMAT in ("w4a16_mxfp4", "w4a16_nvfp4"):
         # the packed decode (bf16x2 inline PTX, triton_grouped._fp4_pair_packed) of each: the same bits
         configs = [tuple((*c, 0)[:6] for c in cfg) for cfg in configs]
         configs += [tuple(c + (True,) for c in cfg) for cfg in configs]
+    if cls.FORMAT == "w4a16_mxfp4":
         # the overlapped kernel (runtime/kernels/gluon_w4.py) of each packed 8-warp configuration, the same bits,
         # and its 64-row tile with 4 stages (two CTAs an SM)
         configs += [tuple(c + (True,) for c in cfg) for cfg in configs if all(len(c) == 7 and c[3] == 8 for c in cfg)]
@@ -128,6 +129,7 @@ REAL_SHAPES = {   # the layers of the SM90 targets, fewer experts
     "bf16": MoeShape(2048, 768, 16, 8, "silu_glu"),
     "fp8_block_scales": MoeShape(7168, 2048, 4, 2, "silu_glu"),
     "w4a16_mxfp4": MoeShape(2880, 2880, 4, 2, "swiglu_oai", expert_bias=True),
+    "w4a16_nvfp4": MoeShape(2048, 768, 4, 2, "silu_glu"),
 }
 
 
@@ -213,7 +215,7 @@ def test_cuda_graph_capture_and_replay(tokens, tile):
 
 @pytest.mark.parametrize("cls", [c for c in TRITON_EXPERTS if c.FORMAT != "fp8_block_scales"], ids=lambda c: c.FORMAT)
 def test_every_prefill_tile_replays_in_a_cuda_graph(cls):
-    """bf16 and MXFP4 (FP8: the test above): each tile of `CONFIGS`, the overlapped Gluon MXFP4 kernel among them,
+    """bf16, MXFP4 and NVFP4 (FP8: the test above): each tile of `CONFIGS`, the overlapped Gluon MXFP4 kernel among them,
     captured once and replayed on fresh inputs gives its eager call's output."""
     spec = MoeShape(*SHAPES[cls.FORMAT], 8, 2, "swiglu_oai", expert_bias=True)
     module = _module(cls, spec, make_expert_tensors(spec, cls.FORMAT, seed=45, weight_std=3.0))
@@ -221,11 +223,11 @@ def test_every_prefill_tile_replays_in_a_cuda_graph(cls):
         assert_graph_replay_matches_eager(module, spec, 300, path="triton", tile=cfg)
 
 
-def test_the_mxfp4_prefill_gemms_keep_the_weights_packed():
-    """The Triton and Gluon MXFP4 GEMMs decode the packed words in their registers: a prefill call of each tile of
-    `CONFIGS` allocates no more than its workspaces. A bf16 copy of the layer's weights (3.8x its packed bytes) would
-    not fit the bound."""
-    cls = next(c for c in TRITON_EXPERTS if c.FORMAT == "w4a16_mxfp4")
+@pytest.mark.parametrize("cls", [c for c in TRITON_EXPERTS if "fp4" in c.FORMAT], ids=lambda c: c.FORMAT)
+def test_the_fp4_prefill_gemms_keep_the_weights_packed(cls):
+    """The Triton and Gluon FP4 GEMMs decode the packed words in their registers: a prefill call of each tile of
+    `CONFIGS` allocates no more than its workspaces. A bf16 copy of the layer's weights (3.6-3.8x its packed bytes)
+    would not fit the bound."""
     spec = MoeShape(2048, 768, 16, 8, "silu_glu")
     module = cls(spec, device="cuda")
     module.init_random(torch.Generator().manual_seed(64))

@@ -268,7 +268,7 @@ def test_no_implementation_of_the_project_claims_a_gpu_it_has_not_run_on():
         "torch.grouped_mm.grouped_gemm.w4a16_mxfp4": "per_expert_group",
         "torch.grouped_mm.grouped_gemm.w4a16_nvfp4": "per_expert_group",
         "torch.eager.loop.w4a16_mxfp4": "per_expert", "torch.eager.loop.w4a16_nvfp4": "per_expert",
-        "triton.wgmma.grouped_gemm.w4a16_mxfp4": "in_kernel",
+        "triton.wgmma.grouped_gemm.w4a16_mxfp4": "in_kernel", "triton.wgmma.grouped_gemm.w4a16_nvfp4": "in_kernel",
     }
 
 

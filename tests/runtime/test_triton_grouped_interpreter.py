@@ -1,4 +1,4 @@
-"""The TRITON experts' bf16 and MXFP4 grouped GEMMs (runtime/kernels/triton_grouped.py) in Triton's CPU interpreter
+"""The TRITON experts' bf16, MXFP4 and NVFP4 grouped GEMMs (runtime/kernels/triton_grouped.py) in Triton's CPU interpreter
 against a float64 oracle, with every tile configuration the classes plan with and a small one.
 
 Runs only with Triton installed and `TRITON_INTERPRET=1` (e.g. `PYTHONPATH=/path/to/triton TRITON_INTERPRET=1
@@ -10,8 +10,8 @@ moe_align is a CUDA kernel.
 Judged per routed pair: GEMM1's bf16 intermediate against the float64 activation of the float64 products (one
 bf16 rounding, which the interpreter truncates rather than rounds), GEMM2's bf16 rows against the float64
 product of that intermediate. Sizes are multiples of the K-blocks but not of the output blocks (partial tiles),
-with hot experts and experts that get no rows. The MXFP4 weights are decoded in the kernels; the oracle takes them
-straight from codes and scales in float64. FP8 is not covered: the interpreter has no E4M3 dot.
+with hot experts and experts that get no rows. The FP4 weights are decoded in the kernels (NVFP4's per-expert
+scales applied in their epilogues); the oracle takes them straight from codes and scales in float64. FP8 is not covered: the interpreter has no E4M3 dot.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 from runtime.experts.base import MoeShape  # noqa: E402
 from runtime.experts.cupy_layout import convert  # noqa: E402
 from runtime.experts.triton_grouped import (_ACT, TritonWgmmaBf16Experts,  # noqa: E402
-                                            TritonWgmmaW4a16Mxfp4Experts)
+                                            TritonWgmmaW4a16Mxfp4Experts, TritonWgmmaW4a16Nvfp4Experts)
 from runtime.kernels import triton_grouped as T  # noqa: E402
 from tests.runtime.helpers_experts import (_activation64, assert_rel_close, dequantize64,  # noqa: E402
                                           make_expert_tensors, random_hidden, random_routing)
@@ -37,8 +37,10 @@ SMALL = ((16, 64, 64, 4, 2), (16, 64, 64, 4, 2))
 CASES = ([("bf16", cfg) for _, cfg in TritonWgmmaBf16Experts.CONFIGS] + [("bf16", SMALL)]
          # the planned MXFP4 tiles with the unpacked decode: the packed one is inline PTX, which the interpreter
          # cannot run (tests/gpu/test_triton_experts.py asserts both give the same bits)
-         + [("w4a16_mxfp4", tuple(c[:6] for c in cfg)) for _, cfg in TritonWgmmaW4a16Mxfp4Experts.CONFIGS]
-         + [("w4a16_mxfp4", SMALL)])
+         + [(fmt, tuple(c[:6] for c in cfg)) for fmt, cls in (("w4a16_mxfp4", TritonWgmmaW4a16Mxfp4Experts),
+                                                              ("w4a16_nvfp4", TritonWgmmaW4a16Nvfp4Experts))
+            for _, cfg in cls.CONFIGS]
+         + [("w4a16_mxfp4", SMALL), ("w4a16_nvfp4", SMALL)])
 
 
 def _routing(ids: torch.Tensor, experts: int, bm: int):
@@ -89,12 +91,12 @@ def test_grouped_gemms_match_float64(fmt, cfg, activation, tokens, experts):
     sorted_pair, offs, tile_expert, tile_row, num_tiles, max_tiles = _routing(ids, spec.num_experts, cfg1[0])
     pairs = ids.numel()
     h = torch.full((pairs, i_dim), float("nan"), dtype=torch.bfloat16)
-    T.launch_gemm1(hidden, None, buffers["w13"], buffers.get("s13"), buffers.get("b13"),
+    T.launch_gemm1(hidden, None, buffers["w13"], buffers.get("s13"), buffers.get("g13"), buffers.get("b13"),
                    sorted_pair, offs, tile_expert, tile_row, num_tiles, h, None, hidden=h_dim, inter=i_dim,
                    top_k=spec.top_k, max_tiles=max_tiles, alpha=spec.swiglu_alpha, limit=spec.swiglu_limit, fmt=fmt,
                    gated=spec.gated, act=_ACT[activation], cfg=cfg1)
     y = torch.full((pairs, h_dim), float("nan"), dtype=torch.bfloat16)
-    T.launch_gemm2(h, None, buffers["w2"], buffers.get("s2"), offs, tile_expert, tile_row,
+    T.launch_gemm2(h, None, buffers["w2"], buffers.get("s2"), buffers.get("g2"), offs, tile_expert, tile_row,
                    num_tiles, y, hidden=h_dim, inter=i_dim, max_tiles=max_tiles, fmt=fmt, cfg=cfg2)
     ref_h, ref_y = _oracle(spec, fmt, tensors, hidden, ids, sorted_pair)
     assert not h.isnan().any() and not y.isnan().any()
