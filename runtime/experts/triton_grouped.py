@@ -153,7 +153,7 @@ class TritonWgmmaW4a16Nvfp4Experts(_TritonGroupedExperts, CupyMmaW4a16Nvfp4Exper
                "with their E4M3 block scales, the per-expert scales in the epilogue, for prefill; the CUPY kernels "
                "for decode. " + _TritonGroupedExperts.__doc__)
     IMPL_ID = "triton.wgmma.grouped_gemm.w4a16_nvfp4"
-    # MXFP4's packed Triton tiles and row bound (its Gluon kernel decodes E8M0 scales only); not yet timed for NVFP4.
-    TRITON_MIN_ROWS = 64
-    CONFIGS = ((256, ((64, 64, 64, 8, 4, 8, True), (64, 128, 64, 8, 4, 8, True))),
-               (1e9, ((128, 64, 64, 8, 3, 8, True), (128, 128, 64, 8, 3, 8, True))))
+    # MXFP4's row bound and tiles on the packed Triton kernels, without the overlap flag (the Gluon kernel decodes E8M0
+    # scales only); not yet timed for NVFP4.
+    TRITON_MIN_ROWS = TritonWgmmaW4a16Mxfp4Experts.TRITON_MIN_ROWS
+    CONFIGS = tuple((bound, tuple(c[:7] for c in cfg)) for bound, cfg in TritonWgmmaW4a16Mxfp4Experts.CONFIGS)
