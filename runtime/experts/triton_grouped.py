@@ -3,7 +3,7 @@
 The CUPY GEMMs are mma.sync kernels that stream weights into registers: right for decode, where
 they read weights at up to 4.4 TB/s, but on sm_90 mma.sync runs FP8 as f16 HMMA and bf16 well below
 the wgmma rate. Here, once a call routes enough rows per expert (`TRITON_MIN_ROWS`: 2 for FP8, 4 for
-bf16, 64 for MXFP4), both GEMMs run
+bf16, 64 for MXFP4 and NVFP4), both GEMMs run
 as Triton grouped GEMMs (runtime/kernels/triton_grouped.py) over the same CUPY routing, activation
 quantization and combine kernels; smaller calls run the CUPY path unchanged. Same buffers and weight
 layouts as the CUPY class of the format (weights stay packed: FP8 codes and block scales, MXFP4 and NVFP4

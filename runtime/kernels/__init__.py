@@ -94,8 +94,8 @@ def staged_pair(fmt: str, tile, staging, planned):
 
 def gemm_name(fmt: str, epi: int, tile, pairs: bool = False, staging=None) -> str:
     """Kernel name of a warp tile (MT, NT) or (MT, NT, SK); SK = 1 is the plain kernel. `pairs`: the
-    pair-tile kernel (no sort: cupy_mma._pairs_pay) of the split-K tile (1, 1[, SK]). `staging` (KC, ST): the
-    staged kernel of the (1, NT) tile."""
+    pair-tile kernel (no sort: cupy_plan.CupyPlan._pairs_pay) of the split-K tile (1, 1[, SK]). `staging`
+    (KC, ST): the staged kernel of the (1, NT) tile."""
     if staging is not None:
         return f"moe_gemm_{WF[fmt]}_{AQ[fmt]}_{epi}_{tile[0]}_{tile[1]}_s{staging[0]}x{staging[1]}"
     if pairs:
