@@ -109,7 +109,7 @@ TRITON_SWEEP = {
         ((128, 64, 64, 8, 3, 8), (128, 64, 64, 8, 3, 8)),
         ((64, 64, 64, 4, 3, 8), (64, 128, 64, 4, 3, 8)),
         ((128, 128, 64, 8, 3, 8), (128, 128, 64, 8, 3, 8)),
-        # the packed decode (a seventh element True: triton_grouped._fp4_pair_packed, two fma.rn.bf16x2 a pair):
+        # the packed decode (a seventh element True: fp4_blocks.fp4_pair_packed, two fma.rn.bf16x2 a pair):
         # 398 -> 334 PTX instructions in GEMM1's K loop offline (Triton 3.6, sm_90a), the same bits; 3-7 % faster
         # at Q and G, 2048 and 8192 tokens (H100, 2026-12-05), so the plan runs it
         ((128, 64, 64, 8, 3, 8, True), (128, 128, 64, 8, 3, 8, True)),

@@ -219,10 +219,7 @@ class _CupyMmaExperts(CupyPlan, ExpertsBase):
             aq = K.AQ[fmt]
             a1, as1 = x, None
             if aq:
-                a1 = self._empty((tokens, hsize), torch.uint8, device, poison)
-                as1 = self._empty((tokens, hsize // 128) if aq == 1 else (tokens,), torch.float32, device, poison)
-                kern.launch("quant_fp8_rows", (tokens,), (128,),
-                            (_p(x), np.uint64(0), _p(a1), _p(as1), _i(hsize), _i(aq)), stream)
+                a1, as1 = self._quantize_rows(kern, stream, x, tokens, hsize, None, poison)
             h = self._empty((pairs, inter), torch.bfloat16, device, poison)
             epi1 = K.EPI_GATED if spec.gated else K.EPI_RELU2
             ws2_13 = self.g13 if fmt == "w4a16_nvfp4" else None
@@ -233,11 +230,7 @@ class _CupyMmaExperts(CupyPlan, ExpertsBase):
                        top_k, kind, alpha, limit, staging[0])
             a2, as2 = h, None
             if aq:
-                a2 = self._empty((pairs, inter), torch.uint8, device, poison)
-                as2 = self._empty((pairs, inter // 128) if aq == 1 else (pairs,), torch.float32, device, poison)
-                kern.launch("quant_fp8_rows", (pairs,), (128,),
-                            (_p(h), np.uint64(0) if total_ptr is None else total_ptr, _p(a2), _p(as2), _i(inter),
-                             _i(aq)), stream)
+                a2, as2 = self._quantize_rows(kern, stream, h, pairs, inter, total_ptr, poison)
             y = self._empty((pairs, hsize), torch.float32, device, poison)
             self._gemm(kern, stream, K.EPI_DOWN, tile, tiles, self.w2, s2, ws2_2, a2, as2, 0, None, y, hsize, inter,
                        inter, top_k, kind, alpha, limit, staging[1])
@@ -245,6 +238,17 @@ class _CupyMmaExperts(CupyPlan, ExpertsBase):
 
         return self._combine(kern, stream, y, y_bf16, pair_pos, sorted_expert, weights, tokens, hidden.dtype,
                              *pair_ids)
+
+    def _quantize_rows(self, kern, stream, rows, count, width, total_ptr, poison):
+        """`quant_fp8_rows`: E4M3 codes and fp32 scales of `count` bf16 rows of `width` (the first *total_ptr of them
+        when given), per 128 channels (fp8_block_scales) or per row (w4a8_mxfp4_fp8)."""
+        aq = K.AQ[self.FORMAT]
+        codes = self._empty((count, width), torch.uint8, rows.device, poison)
+        scales = self._empty((count, width // 128) if aq == 1 else (count,), torch.float32, rows.device, poison)
+        kern.launch("quant_fp8_rows", (count,), (128,),
+                    (_p(rows), np.uint64(0) if total_ptr is None else total_ptr, _p(codes), _p(scales), _i(width),
+                     _i(aq)), stream)
+        return codes, scales
 
     def _route(self, kern, stream, ids, pairs, bt):
         """`moe_align` into fresh int32 workspaces: the pairs counting-sorted by local expert and the

@@ -3,16 +3,17 @@
 The CUPY GEMMs are mma.sync kernels that stream weights into registers: right for decode, where
 they read weights at up to 4.4 TB/s, but on sm_90 mma.sync runs FP8 as f16 HMMA and bf16 well below
 the wgmma rate. Here, once a call routes enough rows per expert (`TRITON_MIN_ROWS`: 2 for FP8, 4 for
-bf16, 64 for MXFP4 and NVFP4), both GEMMs run
+bf16, 64 for the FP4 formats), both GEMMs run
 as Triton grouped GEMMs (runtime/kernels/triton_grouped.py) over the same CUPY routing, activation
 quantization and combine kernels; smaller calls run the CUPY path unchanged. Same buffers and weight
-layouts as the CUPY class of the format (weights stay packed: FP8 codes and block scales, MXFP4 and NVFP4
-words decoded to bf16 in the GEMMs' registers).
+layouts as the CUPY class of the format (weights stay packed: FP8 codes and block scales, FP4 words decoded
+to bf16 in the GEMMs' registers).
 
 Per prefill call, with no host synchronization (CUDA-graph capturable): `moe_align` (tiles of BM
-rows of one expert), FP8 only: `quant_fp8_rows` of the tokens (1x128 groups), `gemm1`
-(token rows gathered in its loads, bias, activation, bf16 rounding and, for FP8, the 1x128 quantization
-of the intermediate in its epilogue), `gemm2` (bf16 rows), `moe_combine` (down bias, weights, fp32 sum).
+rows of one expert), FP8 activations only: `quant_fp8_rows` of the tokens (1x128 groups, or W4A8's scale per
+token), `gemm1` (token rows gathered in its loads, bias, activation, bf16 rounding and, for FP8, the 1x128
+quantization of the intermediate in its epilogue), W4A8 only: `quant_fp8_rows` of the intermediate, `gemm2` (bf16
+rows), `moe_combine` (down bias, weights, fp32 sum).
 Triton is imported on the first prefill call only.
 """
 from __future__ import annotations
@@ -20,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from .. import kernels as K
-from .cupy_mma import (CupyMmaBf16Experts, CupyMmaFp8BlockScalesExperts, CupyMmaW4a16Mxfp4Experts,
-                       CupyMmaW4a16Nvfp4Experts, _i, _p)
+from .cupy_mma import (CupyMmaBf16Experts, CupyMmaFp8BlockScalesExperts, CupyMmaW4a8Mxfp4Fp8Experts,
+                       CupyMmaW4a16Mxfp4Experts, CupyMmaW4a16Nvfp4Experts)
 
 _ACT = {"silu_glu": 0, "swiglu_oai": 1, "relu2": 2}
 
@@ -76,15 +77,13 @@ class _TritonGroupedExperts:
             raise ValueError(f"{self.IMPL_ID}: gemm1 quantizes the intermediate per 128 channels: BN must be 128")
         kern, stream, poison, x, ids, weights = launch
         inter, pairs = self.inter_size, tokens * top_k
-        max_tiles, offs, sorted_pair, sorted_expert, pair_pos, tile_expert, tile_row, num_tiles, _ = \
+        max_tiles, offs, sorted_pair, sorted_expert, pair_pos, tile_expert, tile_row, num_tiles, total_ptr = \
             self._route(kern, stream, ids, pairs, cfg1[0])
         a1, as1, hs = x, None, None
-        if fp8:
-            codes = self._empty((tokens, hsize), torch.uint8, device, poison)
-            as1 = self._empty((tokens, hsize // 128), torch.float32, device, poison)
-            kern.launch("quant_fp8_rows", (tokens,), (128,),
-                        (_p(x), _p(None), _p(codes), _p(as1), _i(hsize), _i(K.AQ[self.FORMAT])), stream)
-            a1 = codes.view(torch.float8_e4m3fn)
+        if K.AQ[fmt]:   # FP8 activations: 1x128 groups (FP8) or a scale per token (W4A8)
+            a1, as1 = self._quantize_rows(kern, stream, x, tokens, hsize, None, poison)
+            a1 = a1.view(torch.float8_e4m3fn)
+        if fp8:   # gemm1 quantizes the intermediate in its epilogue
             h = self._empty((pairs, inter), torch.uint8, device, poison).view(torch.float8_e4m3fn)
             hs = self._empty((pairs, inter // 128), torch.float32, device, poison)
         else:
@@ -95,6 +94,9 @@ class _TritonGroupedExperts:
                        tile_expert, tile_row, num_tiles, h, hs, hidden=hsize, inter=inter, top_k=top_k,
                        max_tiles=max_tiles, alpha=spec.swiglu_alpha, limit=spec.swiglu_limit, fmt=fmt,
                        gated=spec.gated, act=_ACT[spec.activation], cfg=cfg1)
+        if fmt == "w4a8_mxfp4_fp8":   # its intermediate's scale spans the whole row: a pass after gemm1
+            h, hs = self._quantize_rows(kern, stream, h, pairs, inter, total_ptr, poison)
+            h = h.view(torch.float8_e4m3fn)
         y = self._empty((pairs, hsize), torch.bfloat16, device, poison)
         T.launch_gemm2(h, hs, self.w2, s2, g2, offs, tile_expert, tile_row, num_tiles, y, hidden=hsize, inter=inter,
                        max_tiles=max_tiles, fmt=fmt, cfg=cfg2)
@@ -157,3 +159,13 @@ class TritonWgmmaW4a16Nvfp4Experts(_TritonGroupedExperts, CupyMmaW4a16Nvfp4Exper
     # scales only); not yet timed for NVFP4.
     TRITON_MIN_ROWS = TritonWgmmaW4a16Mxfp4Experts.TRITON_MIN_ROWS
     CONFIGS = tuple((bound, tuple(c[:7] for c in cfg)) for bound, cfg in TritonWgmmaW4a16Mxfp4Experts.CONFIGS)
+
+
+class TritonWgmmaW4a8Mxfp4Fp8Experts(_TritonGroupedExperts, CupyMmaW4a8Mxfp4Fp8Experts):
+    __doc__ = ("TRITON, MXFP4 weights kept packed (the CUPY w4a8 layout) and decoded to bf16 in the Triton GEMMs' "
+               "registers, FP8 activations with a scale per token widened to bf16 (exact) and their scales applied in "
+               "the epilogue, for prefill; the CUPY kernels for decode. " + _TritonGroupedExperts.__doc__)
+    IMPL_ID = "triton.wgmma.grouped_gemm.w4a8_mxfp4_fp8"
+    # as NVFP4: MXFP4's row bound and packed Triton tiles; not yet timed for W4A8.
+    TRITON_MIN_ROWS = TritonWgmmaW4a16Nvfp4Experts.TRITON_MIN_ROWS
+    CONFIGS = TritonWgmmaW4a16Nvfp4Experts.CONFIGS

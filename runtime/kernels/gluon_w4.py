@@ -6,7 +6,7 @@ the decoded [weights x 64] block goes to shared memory in a double buffer and th
 asynchronously: while step k multiplies, the same warps decode step k + 1. Token rows come by cp.async
 (gathered for gemm1) into a ring of STAGES buffers; the packed words and scales of step k + 2 are loaded
 into registers during step k. Same work list, operands, outputs and decode bits as triton_grouped's
-MXFP4 path (`_fp4_pair_packed`), so the same bf16 products; 8 warps, two warpgroups, each multiplying
+MXFP4 path (`fp4_blocks.fp4_pair_packed`), so the same bf16 products; 8 warps, two warpgroups, each multiplying
 its 64 weight rows by all BM token rows. Both warpgroups meet at barriers every step, so at BM 128 (229-240
 registers: one CTA an SM) nothing fills those waits and the kernel is slower than the Triton one; at BM 64
 (GEMM1 123-127 registers, GEMM2 121) two CTAs share an SM, which the plan uses (BENCHMARKS.md, seventeenth session).
@@ -30,7 +30,7 @@ WARPS = gl.constexpr(8)   # two warpgroups; a K step is 64 elements, one 16 x 64
 
 @gluon.jit
 def _pair(p, mul1, mul2):
-    """triton_grouped._fp4_pair_packed: the two bf16 weights of a packed pair, times 2^(s - 127) in two exact fma."""
+    """fp4_blocks.fp4_pair_packed: the two bf16 weights of a packed pair, times 2^(s - 127) in two exact fma."""
     return gl.inline_asm_elementwise(
         "{ .reg .b32 t, z; mov.b32 z, 0x80008000; fma.rn.bf16x2 t, $2, $3, z; fma.rn.bf16x2 t, t, $4, z; "
         "mov.b32 {$0, $1}, t; }",

@@ -29,8 +29,8 @@ BF16_WORD = tuple(
 # first four sit in place (bits 8k+2..8k+4), those of the last four 3 bits higher; signs in bits
 # 8k (first four) and 8k+1 (last four).
 E4M3_WORD = tuple((8 * (i % 4) + (5 if i >= 4 else 2), 8 * (i % 4) + (1 if i >= 4 else 0)) for i in range(8))
-# The masks a BF16_WORD decode keeps of each shifted word (moe_kernels.cu fp4_to_bf16x8, triton_grouped
-# _mxfp4_block, decode_bf16_word): the magnitude fields (bf16 bits 8..6, 24..22), the signs (bits 15, 31).
+# The masks a BF16_WORD decode keeps of each shifted word (moe_kernels.cu fp4_to_bf16x8, fp4_blocks.fp4_block,
+# decode_bf16_word): the magnitude fields (bf16 bits 8..6, 24..22), the signs (bits 15, 31).
 BF16_WORD_MAG, BF16_WORD_SIGN = 0x01C001C0, 0x80008000
 # w4a8 runs one E4M3 MMA step (32 K elements, one MX scale block) per word: lane t's two words of a
 # 64-element chunk are elements 8t..8t+7 of each 32-block, stored next to each other.

@@ -16,7 +16,10 @@ MXFP4 and NVFP4 (W4): the packed words (runtime/kernels/layouts.BF16_WORD bit la
 tiled by 16 x 64: layouts.tile_rows) come through TMA, 64 K elements a step, and are decoded with their block
 scales (E8M0 per 32, or E4M3 per 16) into an exact bf16 block in registers, the dot's first operand (wgmma reads
 it from registers; the accumulator is transposed once after the K loop); NVFP4's per-expert fp32 scale multiplies
-the accumulator in the epilogue. Activations stay bf16.
+the accumulator in the epilogue. Activations stay bf16. W4A8 (MXFP4 weights in the CUPY w4a8 layout,
+layouts.E4M3_WORD, FP8 activations with a scale per token): the same decode from that layout's bits, in its
+stored K order (words of a chunk interleaved by halves), the activations' E4M3 codes loaded in that order and
+widened to bf16 (exact), their per-token scales applied in the epilogue. The FP4 decode: fp4_blocks.py.
 """
 from __future__ import annotations
 
@@ -25,15 +28,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .layouts import BF16_WORD_MAG, BF16_WORD_SIGN
+from .fp4_blocks import W4_FORMATS, fp4_block, stored_k
 
 ACT_SILU_GLU, ACT_SWIGLU_OAI, ACT_RELU2 = 0, 1, 2
 _SCALE_BLOCK = tl.constexpr(128)
-_TWO_126 = tl.constexpr(2.0 ** 126)
-_TWO_110 = tl.constexpr(2.0 ** 110)
-# W4 formats: 0 none, 1 MXFP4 (E8M0 scale per 32 elements), 2 NVFP4 (E4M3 scale per 16, fp32 scale per expert)
-W4_FORMATS = {"w4a16_mxfp4": 1, "w4a16_nvfp4": 2}
-_MAG, _SIGN = tl.constexpr(BF16_WORD_MAG), tl.constexpr(BF16_WORD_SIGN)
 
 
 @triton.jit
@@ -58,80 +56,6 @@ def _program(pid, max_tiles, num_n, GROUP_M: tl.constexpr):
     first = (pid // in_group) * GROUP_M
     size = tl.minimum(max_tiles - first, GROUP_M)
     return first + (pid % in_group) % size, (pid % in_group) // size
-
-
-@triton.jit
-def _fp4_pair(p, f):
-    """The two bf16 weights of a bf16x2 pair `p` holding E2M1 values * 2^-126, times the scale `f`: back to the
-    E2M1 value first (exact), as 2^126 * 2^(s - 127) in one factor would overflow fp32 for scale bytes above 128."""
-    lo = (p << 16).to(tl.float32, bitcast=True) * _TWO_126
-    hi = (p & 0xFFFF0000).to(tl.float32, bitcast=True) * _TWO_126
-    return (lo * f).to(tl.bfloat16), (hi * f).to(tl.bfloat16)
-
-
-@triton.jit
-def _fp4_pair_packed(p, mul1, mul2):
-    """`_fp4_pair` in two fma.rn.bf16x2 on the packed pair (moe_kernels.cu's decode): times the bf16x2 factors
-    mul1 and mul2 whose product is 2^126 times the block scale (two, as bf16 stops at 2^127): for MXFP4
-    2^(min(s, 128) - 1) and 2^(max(s, 128) - 128), for NVFP4 the E4M3 scale * 2^110 and 2^16. Exact: E2M1 values
-    times scales of at most 4 significant bits, subnormals included. Inline PTX: GPU only (the interpreter runs
-    `_fp4_pair`). GEMM1's K loop 398 -> 334 PTX instructions (offline, Triton 3.6, sm_90a, MXFP4)."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 t, z; mov.b32 z, 0x80008000; fma.rn.bf16x2 t, $2, $3, z; fma.rn.bf16x2 t, t, $4, z; "
-        "mov.b32 {$0, $1}, t; }",
-        "=h,=h,r,r,r", [p, mul1, mul2], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
-
-
-@triton.jit
-def _fp4_block(w_desc, ws_ptr, w_row0, wrows, k0, K, BK: tl.constexpr, PACKED: tl.constexpr, W4: tl.constexpr):
-    """bf16 weights [rows, BK] of the global weight rows `wrows` (from descriptor row w_row0), K from k0, decoded
-    from packed FP4 words (layouts.BF16_WORD, as moe_kernels.cu's fp4_to_bf16x8 does) times their block scales
-    (W4 1: E8M0 per 32 elements; 2: E4M3 per 16, the products exact in bf16: 2 and 4 significant bits) (PACKED: in
-    bf16x2 pairs, `_fp4_pair_packed`)."""
-    # [rows / 16, 16, 8] words: the 16 x 64 tiles of the rows at chunk k0 / 64 (BK == 64)
-    x = w_desc.load([w_row0 // 16, k0 // 4, 0])
-    x = tl.reshape(x, [x.shape[0] * 16, BK // 8]).to(tl.uint32, bitcast=True)
-    word = k0 // 8 + tl.arange(0, BK // 8)
-    # the scales' 16 x 64 tiles (layouts.tile_rows: SB bytes a row, one per 64 / SB elements): the scale of word w
-    # (8 elements) of chunk k0 / 64 is byte (w % 8) // (8 / SB) of its row
-    SB: tl.constexpr = 2 if W4 == 1 else 4
-    tile = (wrows // 16).to(tl.int64) * (K // 64) + k0 // 64
-    s = tl.load(ws_ptr + (tile * 16 * SB + (wrows % 16) * SB)[:, None] + (word % 8 // (8 // SB))[None, :])
-    s = s.to(tl.uint8, bitcast=True)
-    p0 = x & (_MAG | _SIGN)
-    p1 = ((x >> 3) & _MAG) | ((x << 15) & _SIGN)
-    p2 = ((x >> 6) & _MAG) | ((x << 14) & _SIGN)
-    p3 = ((x << 3) & _MAG) | ((x << 13) & _SIGN)
-    if PACKED:
-        if W4 == 1:
-            # bf16x2 exponent fields min(s, 128) + 126 and max(s, 128) - 1, in both halves
-            s = s.to(tl.uint32)
-            mul1 = ((tl.minimum(s, 128) + 126) << 7) * 0x10001
-            mul2 = ((tl.maximum(s, 128) - 1) << 7) * 0x10001
-        else:
-            # the E4M3 scale * 2^110 (exact in bf16; 2^126 would pass bf16's top at scales of 2 and above), then 2^16
-            mul1 = (s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _TWO_110).to(tl.bfloat16)
-            mul1 = mul1.to(tl.uint16, bitcast=True).to(tl.uint32) * 0x10001
-            mul2 = tl.full(s.shape, 0x47804780, tl.uint32)   # bf16x2 2^16
-        e0, e1 = _fp4_pair_packed(p0, mul1, mul2)
-        e2, e3 = _fp4_pair_packed(p1, mul1, mul2)
-        e4, e5 = _fp4_pair_packed(p2, mul1, mul2)
-        e6, e7 = _fp4_pair_packed(p3, mul1, mul2)
-    else:
-        if W4 == 1:
-            # 2^(s - 127); byte 0 is 2^-127, an fp32 subnormal
-            s = s.to(tl.uint32)
-            f = tl.where(s == 0, 0x00400000, s << 23).to(tl.float32, bitcast=True)
-        else:
-            f = s.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        e0, e1 = _fp4_pair(p0, f)
-        e2, e3 = _fp4_pair(p1, f)
-        e4, e5 = _fp4_pair(p2, f)
-        e6, e7 = _fp4_pair(p3, f)
-    # element 8w + i of the block is e_i of word w
-    evens = tl.interleave(tl.interleave(e0, e4), tl.interleave(e2, e6))
-    odds = tl.interleave(tl.interleave(e1, e5), tl.interleave(e3, e7))
-    return tl.interleave(evens, odds)
 
 
 @triton.jit
@@ -187,7 +111,7 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, g_ptr, bias_ptr, sorted_pair_ptr, offs_
     tok = (tl.load(sorted_pair_ptr + rows) // TOP_K).to(tl.int64)
     n1 = INTER * PLANES
     w_row0 = (e * n1 + pid_n * BNW).to(tl.int32)
-    k = tl.arange(0, BK)
+    k = stored_k(BK) if W4 == 3 else tl.arange(0, BK)
     a_ptrs = x_ptr + tok[:, None] * H + k[None, :]
     kb_count = H // _SCALE_BLOCK
     ib_count = INTER // _SCALE_BLOCK
@@ -207,12 +131,16 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, g_ptr, bias_ptr, sorted_pair_ptr, offs_
         acc_t = tl.zeros([BNW, BM], dtype=tl.float32)
         for k0 in range(0, H, BK):
             a = tl.load(a_ptrs)
-            acc_t = tl.dot(_fp4_block(w_desc, ws_ptr, w_row0, e * n1 + wrow, k0, H, BK, PACKED, W4), a.T, acc_t)
+            if W4 == 3:
+                a = a.to(tl.bfloat16)   # E4M3 codes: exact in bf16
+            acc_t = tl.dot(fp4_block(w_desc, ws_ptr, w_row0, e * n1 + wrow, k0, H, BK, PACKED, W4), a.T, acc_t)
             a_ptrs += BK
         acc = tl.trans(acc_t)
         if W4 == 2:
             # NVFP4's scale per expert and projection, g13 [n, planes]
             acc *= tl.load(g_ptr + e * PLANES + plane)[None, :]
+        if W4 == 3:
+            acc *= tl.load(xs_ptr + tok)[:, None]   # W4A8's activation scale per token, xs [tokens]
     else:
         acc = tl.zeros([BM, BNW], dtype=tl.float32)
         for k0 in range(0, H, BK):
@@ -248,7 +176,7 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, g_ptr, bias_ptr, sorted_pair_ptr, offs_
 
 
 @triton.jit
-def gemm2(h_desc, hs_ptr, w_desc, ws_ptr, g_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, y_ptr,
+def gemm2(h_src, hs_ptr, w_desc, ws_ptr, g_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, y_ptr,
           H, INTER, max_tiles, FP8: tl.constexpr, W4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
           BK: tl.constexpr, GROUP_M: tl.constexpr, PACKED: tl.constexpr):
     pid_m, pid_n = _program(tl.program_id(0), max_tiles, tl.cdiv(H, BN), GROUP_M)
@@ -269,15 +197,22 @@ def gemm2(h_desc, hs_ptr, w_desc, ws_ptr, g_ptr, offs_ptr, tile_expert_ptr, tile
         wrows = e * H + tl.minimum(cols, H - 1)
         acc_t = tl.zeros([BN, BM], dtype=tl.float32)
         for k0 in range(0, INTER, BK):
-            a = h_desc.load([row0, k0])
-            acc_t = tl.dot(_fp4_block(w_desc, ws_ptr, w_row0, wrows, k0, INTER, BK, PACKED, W4), a.T, acc_t)
+            if W4 == 3:
+                # h_src: the intermediate's E4M3 codes [pairs, I], loaded in the decoded block's K order
+                a = tl.load(h_src + rows.to(tl.int64)[:, None] * INTER + (k0 + stored_k(BK))[None, :])
+                a = a.to(tl.bfloat16)
+            else:
+                a = h_src.load([row0, k0])
+            acc_t = tl.dot(fp4_block(w_desc, ws_ptr, w_row0, wrows, k0, INTER, BK, PACKED, W4), a.T, acc_t)
         acc = tl.trans(acc_t)
         if W4 == 2:
             acc *= tl.load(g_ptr + e)   # NVFP4's scale per expert, g2 [n]
+        if W4 == 3:
+            acc *= tl.load(hs_ptr + rows)[:, None]   # the intermediate's scale per row, hs [pairs]
     else:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, INTER, BK):
-            a = h_desc.load([row0, k0])
+            a = h_src.load([row0, k0])
             b = w_desc.load([w_row0, k0])
             if FP8:
                 kblk = k0 // _SCALE_BLOCK
@@ -324,10 +259,12 @@ def _overlap_cfg(fmt, bm, bn, bk, warps, stages, group_m, packed):
 
 def launch_gemm1(x, xs, w, ws, g, bias, sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs, *, hidden,
                  inter, top_k, max_tiles, alpha, limit, fmt, gated, act, cfg):
-    """GEMM1 over w13 [n, N1, H] (gate/up interleaved) of weight format `fmt` (bf16, fp8_block_scales, w4a16_mxfp4
-    or w4a16_nvfp4; ws: its block scales, g: NVFP4's scales per expert and projection [n, planes]); cfg = (BM, BN of h, BK, warps, stages[, GROUP_M[, packed[, overlap]]])
-    (packed: the MXFP4 decode in bf16x2 pairs, `_fp4_pair_packed`; overlap: the gluon_w4 kernel, whose decode of a
-    K step overlaps the previous step's wgmma, or for FP8 gluon_fp8's warp-specialized kernel)."""
+    """GEMM1 over w13 [n, N1, H] (gate/up interleaved) of weight format `fmt` (bf16, fp8_block_scales, w4a16_mxfp4,
+    w4a16_nvfp4 or w4a8_mxfp4_fp8; ws: its block scales; g: NVFP4's scales per expert and projection [n, planes]);
+    x: bf16 tokens, or E4M3 codes with scales xs (FP8: [tokens, H / 128]; W4A8: [tokens]); cfg = (BM, BN of h, BK,
+    warps, stages[, GROUP_M[, packed[, overlap]]]) (packed: the FP4 decode in bf16x2 pairs,
+    `fp4_blocks.fp4_pair_packed`; overlap: the gluon_w4 kernel, whose decode of a K step overlaps the previous step's
+    wgmma, or for FP8 gluon_fp8's warp-specialized kernel)."""
     bm, bn, bk, warps, stages, group_m, packed, overlap = _config(cfg)
     if overlap and fmt == "fp8_block_scales":
         from . import gluon_fp8
@@ -351,9 +288,9 @@ def launch_gemm1(x, xs, w, ws, g, bias, sorted_pair, offs, tile_expert, tile_row
     bnw = 2 * bn if gated else bn
     grid = (max_tiles * triton.cdiv(inter, bn),)
     dummy = offs   # unused pointer arguments of a variant (never read)
-    gemm1[grid](x, xs if fp8 else dummy, _weight_desc(w, fmt, bnw, bk), dummy if ws is None else ws,
-                dummy if g is None else g, bias if bias is not None else dummy, sorted_pair, offs, tile_expert, tile_row, num_tiles, h,
-                hs if fp8 else dummy, hidden, inter, top_k, max_tiles, alpha, limit,
+    gemm1[grid](x, dummy if xs is None else xs, _weight_desc(w, fmt, bnw, bk), dummy if ws is None else ws,
+                dummy if g is None else g, dummy if bias is None else bias, sorted_pair, offs, tile_expert, tile_row,
+                num_tiles, h, hs if fp8 else dummy, hidden, inter, top_k, max_tiles, alpha, limit,
                 FP8=fp8, W4=W4_FORMATS.get(fmt, 0), GATED=gated, ACT=act, HAS_BIAS=bias is not None, BM=bm, BN=bn,
                 BK=bk, GROUP_M=group_m, PACKED=packed, num_warps=warps, num_stages=stages)
 
@@ -361,7 +298,7 @@ def launch_gemm1(x, xs, w, ws, g, bias, sorted_pair, offs, tile_expert, tile_row
 def launch_gemm2(h, hs, w, ws, g, offs, tile_expert, tile_row, num_tiles, y, *, hidden, inter, max_tiles, fmt,
                  cfg):
     """GEMM2 over w2 [n, H, I] of weight format `fmt` into bf16 rows y [pairs, H] (ws: its block scales; g: NVFP4's
-    scales per expert [n]);
+    scales per expert [n]); h: bf16 rows, or E4M3 codes with scales hs (FP8: [pairs, I / 128]; W4A8: [pairs]);
     cfg = (BM, BN, BK, warps, stages[, GROUP_M[, packed[, overlap]]]), as gemm1's."""
     bm, bn, bk, warps, stages, group_m, packed, overlap = _config(cfg)
     if overlap and fmt == "fp8_block_scales":
@@ -380,7 +317,9 @@ def launch_gemm2(h, hs, w, ws, g, offs, tile_expert, tile_row, num_tiles, y, *, 
     if fp8 and bk != 128:
         raise ValueError(f"FP8 gemm2 needs BK = 128 (one weight block), got {cfg}")
     grid = (max_tiles * triton.cdiv(hidden, bn),)
-    gemm2[grid](_desc(h, (bm, bk)), hs if fp8 else offs, _weight_desc(w, fmt, bn, bk), offs if ws is None else ws,
+    # W4A8 loads its codes in the decoded block's K order (`stored_k`), which a TMA box cannot
+    h_src = h if fmt == "w4a8_mxfp4_fp8" else _desc(h, (bm, bk))
+    gemm2[grid](h_src, offs if hs is None else hs, _weight_desc(w, fmt, bn, bk), offs if ws is None else ws,
                 offs if g is None else g, offs, tile_expert, tile_row, num_tiles, y, hidden, inter, max_tiles, FP8=fp8,
                 W4=W4_FORMATS.get(fmt, 0), BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PACKED=packed, num_warps=warps,
                 num_stages=stages)
