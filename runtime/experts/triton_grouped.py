@@ -150,22 +150,22 @@ class TritonWgmmaW4a16Mxfp4Experts(_TritonGroupedExperts, CupyMmaW4a16Mxfp4Exper
                (1e9, ((128, 64, 64, 8, 3, 8, True), (128, 128, 64, 8, 3, 8, True))))
 
 
-class TritonWgmmaW4a16Nvfp4Experts(_TritonGroupedExperts, CupyMmaW4a16Nvfp4Experts):
-    __doc__ = ("TRITON, NVFP4 weights kept packed (the CUPY layout) and decoded to bf16 in the Triton GEMMs' registers "
-               "with their E4M3 block scales, the per-expert scales in the epilogue, for prefill; the CUPY kernels "
-               "for decode. " + _TritonGroupedExperts.__doc__)
-    IMPL_ID = "triton.wgmma.grouped_gemm.w4a16_nvfp4"
-    # MXFP4's row bound and tiles on the packed Triton kernels, without the overlap flag (the Gluon kernel decodes E8M0
-    # scales only); not yet timed for NVFP4.
+class _Mxfp4TritonTiles:
+    """MXFP4's row bound and tiles on the packed Triton kernels, without the overlap flag (the Gluon kernel decodes
+    E8M0 scales of the BF16_WORD layout only): the FP4 classes not yet timed on their own."""
     TRITON_MIN_ROWS = TritonWgmmaW4a16Mxfp4Experts.TRITON_MIN_ROWS
     CONFIGS = tuple((bound, tuple(c[:7] for c in cfg)) for bound, cfg in TritonWgmmaW4a16Mxfp4Experts.CONFIGS)
 
 
-class TritonWgmmaW4a8Mxfp4Fp8Experts(_TritonGroupedExperts, CupyMmaW4a8Mxfp4Fp8Experts):
+class TritonWgmmaW4a16Nvfp4Experts(_Mxfp4TritonTiles, _TritonGroupedExperts, CupyMmaW4a16Nvfp4Experts):
+    __doc__ = ("TRITON, NVFP4 weights kept packed (the CUPY layout) and decoded to bf16 in the Triton GEMMs' registers "
+               "with their E4M3 block scales, the per-expert scales in the epilogue, for prefill; the CUPY kernels "
+               "for decode. " + _TritonGroupedExperts.__doc__)
+    IMPL_ID = "triton.wgmma.grouped_gemm.w4a16_nvfp4"
+
+
+class TritonWgmmaW4a8Mxfp4Fp8Experts(_Mxfp4TritonTiles, _TritonGroupedExperts, CupyMmaW4a8Mxfp4Fp8Experts):
     __doc__ = ("TRITON, MXFP4 weights kept packed (the CUPY w4a8 layout) and decoded to bf16 in the Triton GEMMs' "
                "registers, FP8 activations with a scale per token widened to bf16 (exact) and their scales applied in "
                "the epilogue, for prefill; the CUPY kernels for decode. " + _TritonGroupedExperts.__doc__)
     IMPL_ID = "triton.wgmma.grouped_gemm.w4a8_mxfp4_fp8"
-    # as NVFP4: MXFP4's row bound and packed Triton tiles; not yet timed for W4A8.
-    TRITON_MIN_ROWS = TritonWgmmaW4a16Nvfp4Experts.TRITON_MIN_ROWS
-    CONFIGS = TritonWgmmaW4a16Nvfp4Experts.CONFIGS
