@@ -240,10 +240,10 @@ class _CupyMmaExperts(CupyPlan, ExpertsBase):
                              *pair_ids)
 
     def _quantize_rows(self, kern, stream, rows, count, width, total_ptr, poison):
-        """`quant_fp8_rows`: E4M3 codes and fp32 scales of `count` bf16 rows of `width` (the first *total_ptr of them
-        when given), per 128 channels (fp8_block_scales) or per row (w4a8_mxfp4_fp8)."""
+        """`quant_fp8_rows`: E4M3 codes (float8_e4m3fn) and fp32 scales of `count` bf16 rows of `width` (the first
+        *total_ptr of them when given), per 128 channels (fp8_block_scales) or per row (w4a8_mxfp4_fp8)."""
         aq = K.AQ[self.FORMAT]
-        codes = self._empty((count, width), torch.uint8, rows.device, poison)
+        codes = self._empty((count, width), torch.float8_e4m3fn, rows.device, poison)
         scales = self._empty((count, width // 128) if aq == 1 else (count,), torch.float32, rows.device, poison)
         kern.launch("quant_fp8_rows", (count,), (128,),
                     (_p(rows), np.uint64(0) if total_ptr is None else total_ptr, _p(codes), _p(scales), _i(width),

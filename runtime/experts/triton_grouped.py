@@ -82,9 +82,8 @@ class _TritonGroupedExperts:
         a1, as1, hs = x, None, None
         if K.AQ[fmt]:   # FP8 activations: 1x128 groups (FP8) or a scale per token (W4A8)
             a1, as1 = self._quantize_rows(kern, stream, x, tokens, hsize, None, poison)
-            a1 = a1.view(torch.float8_e4m3fn)
         if fp8:   # gemm1 quantizes the intermediate in its epilogue
-            h = self._empty((pairs, inter), torch.uint8, device, poison).view(torch.float8_e4m3fn)
+            h = self._empty((pairs, inter), torch.float8_e4m3fn, device, poison)
             hs = self._empty((pairs, inter // 128), torch.float32, device, poison)
         else:
             h = self._empty((pairs, inter), torch.bfloat16, device, poison)
@@ -96,7 +95,6 @@ class _TritonGroupedExperts:
                        gated=spec.gated, act=_ACT[spec.activation], cfg=cfg1)
         if fmt == "w4a8_mxfp4_fp8":   # its intermediate's scale spans the whole row: a pass after gemm1
             h, hs = self._quantize_rows(kern, stream, h, pairs, inter, total_ptr, poison)
-            h = h.view(torch.float8_e4m3fn)
         y = self._empty((pairs, hsize), torch.bfloat16, device, poison)
         T.launch_gemm2(h, hs, self.w2, s2, g2, offs, tile_expert, tile_row, num_tiles, y, hidden=hsize, inter=inter,
                        max_tiles=max_tiles, fmt=fmt, cfg=cfg2)

@@ -40,9 +40,9 @@ def fp4_pair_packed(p, mul1, mul2):
 @triton.jit
 def fp4_block(w_desc, ws_ptr, w_row0, wrows, k0, K, BK: tl.constexpr, PACKED: tl.constexpr, W4: tl.constexpr):
     """bf16 weights [rows, BK] of the global weight rows `wrows` (from descriptor row w_row0), K from k0, decoded
-    from packed FP4 words (layouts.BF16_WORD, as moe_kernels.cu's fp4_to_bf16x8 does) times their block scales
-    (W4 1: E8M0 per 32 elements; 2: E4M3 per 16, the products exact in bf16: 2 and 4 significant bits) (PACKED: in
-    bf16x2 pairs, `fp4_pair_packed`)."""
+    from packed FP4 words (layouts.BF16_WORD, as moe_kernels.cu's fp4_to_bf16x8 does; W4 3: layouts.E4M3_WORD, in its
+    stored K order, `stored_k`) times their block scales (W4 1 and 3: E8M0 per 32 elements; 2: E4M3 per 16, the
+    products exact in bf16: 2 and 4 significant bits) (PACKED: in bf16x2 pairs, `fp4_pair_packed`)."""
     # [rows / 16, 16, 8] words: the 16 x 64 tiles of the rows at chunk k0 / 64 (BK == 64)
     x = w_desc.load([w_row0 // 16, k0 // 4, 0])
     x = tl.reshape(x, [x.shape[0] * 16, BK // 8]).to(tl.uint32, bitcast=True)

@@ -228,7 +228,7 @@ def _desc(t2d, block):
 
 
 def _weight_desc(w, fmt, rows, bk):
-    """TMA descriptor of a weight tensor [n, N, K] by blocks of `rows` x `bk` weights. MXFP4, NVFP4: [n, N, K / 2]
+    """TMA descriptor of a weight tensor [n, N, K] by blocks of `rows` x `bk` weights. FP4 formats: [n, N, K / 2]
     bytes in 16 x 64 tiles (layouts.tile_rows), read as 32-bit words [n N / 16, K / 64 * 16, 8] (row
     block, chunk * 16 + row, word) by blocks of one chunk (`bk` 64) of `rows` / 16 row blocks."""
     if fmt in W4_FORMATS:
