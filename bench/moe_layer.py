@@ -47,7 +47,7 @@ from runtime.experts.cupy_mma import (CupyMmaBf16Experts, CupyMmaFp8BlockScalesE
                                       CupyMmaW4a8Mxfp4Fp8Experts, CupyMmaW4a16Mxfp4Experts,
                                       CupyMmaW4a16Nvfp4Experts)
 from runtime.experts.triton_grouped import (TritonWgmmaBf16Experts, TritonWgmmaFp8BlockScalesExperts,  # noqa: E402
-                                            TritonWgmmaW4a16Mxfp4Experts)
+                                            TritonWgmmaW4a16Mxfp4Experts, TritonWgmmaW4a16Nvfp4Experts)
 from runtime import kernels as K  # noqa: E402
 from runtime.graphs import capture  # noqa: E402
 from runtime.kernels import router as router_kernel  # noqa: E402
@@ -60,7 +60,7 @@ CUPY_CLASSES = {"bf16": CupyMmaBf16Experts, "fp8_block_scales": CupyMmaFp8BlockS
                 "w4a8_mxfp4_fp8": CupyMmaW4a8Mxfp4Fp8Experts}
 # --impl triton: the TRITON classes where one exists (they run the CUPY path for small calls)
 TRITON_CLASSES = {"bf16": TritonWgmmaBf16Experts, "fp8_block_scales": TritonWgmmaFp8BlockScalesExperts,
-                  "w4a16_mxfp4": TritonWgmmaW4a16Mxfp4Experts}
+                  "w4a16_mxfp4": TritonWgmmaW4a16Mxfp4Experts, "w4a16_nvfp4": TritonWgmmaW4a16Nvfp4Experts}
 CLASSES = dict(CUPY_CLASSES)
 # vLLM's Triton fused MoE on an H200, uniform routing, microseconds, same timing method
 # (../shared/research/peer_vllm_triton_h200.md, measured 2026-12-01): R_peer is read against these.

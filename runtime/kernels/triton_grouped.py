@@ -16,10 +16,7 @@ MXFP4 and NVFP4 (W4): the packed words (runtime/kernels/layouts.BF16_WORD bit la
 tiled by 16 x 64: layouts.tile_rows) come through TMA, 64 K elements a step, and are decoded with their block
 scales (E8M0 per 32, or E4M3 per 16) into an exact bf16 block in registers, the dot's first operand (wgmma reads
 it from registers; the accumulator is transposed once after the K loop); NVFP4's per-expert fp32 scale multiplies
-the accumulator in the epilogue. Activations stay bf16. W4A8 (MXFP4 weights in the CUPY w4a8 layout,
-layouts.E4M3_WORD, FP8 activations with a scale per token): the same decode from that layout's bits, in its
-stored K order (words of a chunk interleaved by halves), the activations' E4M3 codes loaded in that order and
-widened to bf16 (exact), their per-token scales applied in the epilogue. The FP4 decode: fp4_blocks.py.
+the accumulator in the epilogue. Activations stay bf16. The FP4 decode: fp4_blocks.py.
 """
 from __future__ import annotations
 
@@ -28,7 +25,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .fp4_blocks import W4_FORMATS, fp4_block, stored_k
+from .fp4_blocks import W4_FORMATS, fp4_block
 
 ACT_SILU_GLU, ACT_SWIGLU_OAI, ACT_RELU2 = 0, 1, 2
 _SCALE_BLOCK = tl.constexpr(128)
@@ -111,8 +108,7 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, g_ptr, bias_ptr, sorted_pair_ptr, offs_
     tok = (tl.load(sorted_pair_ptr + rows) // TOP_K).to(tl.int64)
     n1 = INTER * PLANES
     w_row0 = (e * n1 + pid_n * BNW).to(tl.int32)
-    k = stored_k(BK) if W4 == 3 else tl.arange(0, BK)
-    a_ptrs = x_ptr + tok[:, None] * H + k[None, :]
+    a_ptrs = x_ptr + tok[:, None] * H + tl.arange(0, BK)[None, :]
     kb_count = H // _SCALE_BLOCK
     ib_count = INTER // _SCALE_BLOCK
     wrow = tl.minimum(pid_n * BNW + tl.arange(0, BNW), n1 - 1)      # w13 row of each accumulator column
@@ -131,16 +127,12 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, g_ptr, bias_ptr, sorted_pair_ptr, offs_
         acc_t = tl.zeros([BNW, BM], dtype=tl.float32)
         for k0 in range(0, H, BK):
             a = tl.load(a_ptrs)
-            if W4 == 3:
-                a = a.to(tl.bfloat16)   # E4M3 codes: exact in bf16
             acc_t = tl.dot(fp4_block(w_desc, ws_ptr, w_row0, e * n1 + wrow, k0, H, BK, PACKED, W4), a.T, acc_t)
             a_ptrs += BK
         acc = tl.trans(acc_t)
         if W4 == 2:
             # NVFP4's scale per expert and projection, g13 [n, planes]
             acc *= tl.load(g_ptr + e * PLANES + plane)[None, :]
-        if W4 == 3:
-            acc *= tl.load(xs_ptr + tok)[:, None]   # W4A8's activation scale per token, xs [tokens]
     else:
         acc = tl.zeros([BM, BNW], dtype=tl.float32)
         for k0 in range(0, H, BK):
@@ -176,7 +168,7 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, g_ptr, bias_ptr, sorted_pair_ptr, offs_
 
 
 @triton.jit
-def gemm2(h_src, hs_ptr, w_desc, ws_ptr, g_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, y_ptr,
+def gemm2(h_desc, hs_ptr, w_desc, ws_ptr, g_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, y_ptr,
           H, INTER, max_tiles, FP8: tl.constexpr, W4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
           BK: tl.constexpr, GROUP_M: tl.constexpr, PACKED: tl.constexpr):
     pid_m, pid_n = _program(tl.program_id(0), max_tiles, tl.cdiv(H, BN), GROUP_M)
@@ -197,22 +189,15 @@ def gemm2(h_src, hs_ptr, w_desc, ws_ptr, g_ptr, offs_ptr, tile_expert_ptr, tile_
         wrows = e * H + tl.minimum(cols, H - 1)
         acc_t = tl.zeros([BN, BM], dtype=tl.float32)
         for k0 in range(0, INTER, BK):
-            if W4 == 3:
-                # h_src: the intermediate's E4M3 codes [pairs, I], loaded in the decoded block's K order
-                a = tl.load(h_src + rows.to(tl.int64)[:, None] * INTER + (k0 + stored_k(BK))[None, :])
-                a = a.to(tl.bfloat16)
-            else:
-                a = h_src.load([row0, k0])
+            a = h_desc.load([row0, k0])
             acc_t = tl.dot(fp4_block(w_desc, ws_ptr, w_row0, wrows, k0, INTER, BK, PACKED, W4), a.T, acc_t)
         acc = tl.trans(acc_t)
         if W4 == 2:
             acc *= tl.load(g_ptr + e)   # NVFP4's scale per expert, g2 [n]
-        if W4 == 3:
-            acc *= tl.load(hs_ptr + rows)[:, None]   # the intermediate's scale per row, hs [pairs]
     else:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, INTER, BK):
-            a = h_src.load([row0, k0])
+            a = h_desc.load([row0, k0])
             b = w_desc.load([w_row0, k0])
             if FP8:
                 kblk = k0 // _SCALE_BLOCK
@@ -259,9 +244,9 @@ def _overlap_cfg(fmt, bm, bn, bk, warps, stages, group_m, packed):
 
 def launch_gemm1(x, xs, w, ws, g, bias, sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs, *, hidden,
                  inter, top_k, max_tiles, alpha, limit, fmt, gated, act, cfg):
-    """GEMM1 over w13 [n, N1, H] (gate/up interleaved) of weight format `fmt` (bf16, fp8_block_scales, w4a16_mxfp4,
-    w4a16_nvfp4 or w4a8_mxfp4_fp8; ws: its block scales; g: NVFP4's scales per expert and projection [n, planes]);
-    x: bf16 tokens, or E4M3 codes with scales xs (FP8: [tokens, H / 128]; W4A8: [tokens]); cfg = (BM, BN of h, BK,
+    """GEMM1 over w13 [n, N1, H] (gate/up interleaved) of weight format `fmt` (bf16, fp8_block_scales, w4a16_mxfp4 or
+    w4a16_nvfp4; ws: its block scales; g: NVFP4's scales per expert and projection [n, planes]); x: bf16 tokens, or
+    E4M3 codes with scales xs [tokens, H / 128] (FP8); cfg = (BM, BN of h, BK,
     warps, stages[, GROUP_M[, packed[, overlap]]]) (packed: the FP4 decode in bf16x2 pairs,
     `fp4_blocks.fp4_pair_packed`; overlap: the gluon_w4 kernel, whose decode of a K step overlaps the previous step's
     wgmma, or for FP8 gluon_fp8's warp-specialized kernel)."""
@@ -298,7 +283,7 @@ def launch_gemm1(x, xs, w, ws, g, bias, sorted_pair, offs, tile_expert, tile_row
 def launch_gemm2(h, hs, w, ws, g, offs, tile_expert, tile_row, num_tiles, y, *, hidden, inter, max_tiles, fmt,
                  cfg):
     """GEMM2 over w2 [n, H, I] of weight format `fmt` into bf16 rows y [pairs, H] (ws: its block scales; g: NVFP4's
-    scales per expert [n]); h: bf16 rows, or E4M3 codes with scales hs (FP8: [pairs, I / 128]; W4A8: [pairs]);
+    scales per expert [n]); h: bf16 rows, or E4M3 codes with scales hs [pairs, I / 128] (FP8);
     cfg = (BM, BN, BK, warps, stages[, GROUP_M[, packed[, overlap]]]), as gemm1's."""
     bm, bn, bk, warps, stages, group_m, packed, overlap = _config(cfg)
     if overlap and fmt == "fp8_block_scales":
@@ -317,9 +302,7 @@ def launch_gemm2(h, hs, w, ws, g, offs, tile_expert, tile_row, num_tiles, y, *, 
     if fp8 and bk != 128:
         raise ValueError(f"FP8 gemm2 needs BK = 128 (one weight block), got {cfg}")
     grid = (max_tiles * triton.cdiv(hidden, bn),)
-    # W4A8 loads its codes in the decoded block's K order (`stored_k`), which a TMA box cannot
-    h_src = h if fmt == "w4a8_mxfp4_fp8" else _desc(h, (bm, bk))
-    gemm2[grid](h_src, offs if hs is None else hs, _weight_desc(w, fmt, bn, bk), offs if ws is None else ws,
+    gemm2[grid](_desc(h, (bm, bk)), offs if hs is None else hs, _weight_desc(w, fmt, bn, bk), offs if ws is None else ws,
                 offs if g is None else g, offs, tile_expert, tile_row, num_tiles, y, hidden, inter, max_tiles, FP8=fp8,
                 W4=W4_FORMATS.get(fmt, 0), BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PACKED=packed, num_warps=warps,
                 num_stages=stages)
