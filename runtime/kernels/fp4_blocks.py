@@ -86,4 +86,3 @@ def fp4_block(w_desc, ws_ptr, w_row0, wrows, k0, K, BK: tl.constexpr, PACKED: tl
     evens = tl.interleave(tl.interleave(e0, e4), tl.interleave(e2, e6))
     odds = tl.interleave(tl.interleave(e1, e5), tl.interleave(e3, e7))
     return tl.interleave(evens, odds)
-

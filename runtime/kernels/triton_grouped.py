@@ -246,10 +246,9 @@ def launch_gemm1(x, xs, w, ws, g, bias, sorted_pair, offs, tile_expert, tile_row
                  inter, top_k, max_tiles, alpha, limit, fmt, gated, act, cfg):
     """GEMM1 over w13 [n, N1, H] (gate/up interleaved) of weight format `fmt` (bf16, fp8_block_scales, w4a16_mxfp4 or
     w4a16_nvfp4; ws: its block scales; g: NVFP4's scales per expert and projection [n, planes]); x: bf16 tokens, or
-    E4M3 codes with scales xs [tokens, H / 128] (FP8); cfg = (BM, BN of h, BK,
-    warps, stages[, GROUP_M[, packed[, overlap]]]) (packed: the FP4 decode in bf16x2 pairs,
-    `fp4_blocks.fp4_pair_packed`; overlap: the gluon_w4 kernel, whose decode of a K step overlaps the previous step's
-    wgmma, or for FP8 gluon_fp8's warp-specialized kernel)."""
+    E4M3 codes with scales xs [tokens, H / 128] (FP8); cfg = (BM, BN of h, BK, warps, stages[, GROUP_M[, packed[,
+    overlap]]]) (packed: the FP4 decode in bf16x2 pairs, `fp4_blocks.fp4_pair_packed`; overlap: the gluon_w4 kernel,
+    whose decode of a K step overlaps the previous step's wgmma, or for FP8 gluon_fp8's warp-specialized kernel)."""
     bm, bn, bk, warps, stages, group_m, packed, overlap = _config(cfg)
     if overlap and fmt == "fp8_block_scales":
         from . import gluon_fp8
