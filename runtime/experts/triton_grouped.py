@@ -150,7 +150,7 @@ class TritonWgmmaW4a16Nvfp4Experts(_TritonGroupedExperts, CupyMmaW4a16Nvfp4Exper
     IMPL_ID = "triton.wgmma.grouped_gemm.w4a16_nvfp4"
     # From 128 rows, the packed 128-row tile (no overlapped kernel: the Gluon one decodes E8M0 scales of the
     # BF16_WORD layout only). bench/moe_layer.py --triton-sweep (H100, 2026-12-07, BENCHMARKS.md) against CUPY: Q 2048
-    # (128 rows) 914 vs 996 us, Q 8192 2501 vs 3324, G 8192 6420 vs 7820; at G 2048 (64 rows) 2742 vs CUPY's 2698, so
+    # (128 rows) 914 vs 996 us, Q 8192 2501 vs 3324, G 8192 6432 vs 7820; at G 2048 (64 rows) 2742 vs CUPY's 2698, so
     # CUPY below 128 rows. A 64-row tile on 4 warps ran G 2048 in 2547 us and Q 2048 in 901, but has not run the GPU
     # tests: not planned yet.
     TRITON_MIN_ROWS = 128
