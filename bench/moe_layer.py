@@ -43,25 +43,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from runtime.experts.base import MoeShape  # noqa: E402
-from registry.impls import load_registry  # noqa: E402
 from runtime import kernels as K  # noqa: E402
-from runtime.build import load_class  # noqa: E402
 from runtime.graphs import capture  # noqa: E402
 from runtime.kernels import router as router_kernel  # noqa: E402
+from tests.runtime.helpers_experts import registry_classes  # noqa: E402
 
 SHAPES = {   # hidden, moe_intermediate, experts, top_k
     "Q": (2048, 768, 128, 8), "D": (7168, 2048, 256, 8), "G": (2880, 2880, 128, 4), "tiny": (256, 64, 8, 2)}
 TOKENS = (1, 8, 64, 256, 2048, 8192)
-
-
-def _registry_classes(backend: str) -> dict:
-    """{format: runtime class} of the registry's `backend` entries: registry/impls.toml is the one list of them."""
-    return {impl.format: load_class(impl.class_path) for impl in load_registry().impls if impl.backend == backend}
-
-
-CUPY_CLASSES = _registry_classes("CUPY")
+# registry/impls.toml is the one list of the classes (as for the GPU tests)
+CUPY_CLASSES = {cls.FORMAT: cls for cls in registry_classes("CUPY")}
 # --impl triton: the TRITON classes where one exists (they run the CUPY path for small calls)
-TRITON_CLASSES = _registry_classes("TRITON")
+TRITON_CLASSES = {cls.FORMAT: cls for cls in registry_classes("TRITON")}
 CLASSES = dict(CUPY_CLASSES)
 # vLLM's Triton fused MoE on an H200, uniform routing, microseconds, same timing method
 # (../shared/research/peer_vllm_triton_h200.md, measured 2026-12-01): R_peer is read against these.
