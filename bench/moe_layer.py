@@ -115,8 +115,8 @@ TRITON_SWEEP = {
         ((128, 64, 64, 8, 4, 8, True, True), (128, 128, 64, 8, 4, 8, True, True)),
         ((64, 64, 64, 8, 4, 8, True, True), (64, 128, 64, 8, 4, 8, True, True)),
     ],
-    # the packed MXFP4 tiles with NVFP4's scales (no overlapped kernel: it decodes the E8M0 scales of the BF16_WORD
-    # layout only)
+    # the packed MXFP4 tiles with NVFP4's scales, or W4A8's E4M3 activations (no overlapped kernel: it decodes the
+    # E8M0 scales of the BF16_WORD layout only)
     "w4a16_nvfp4": [
         ((128, 64, 64, 8, 3, 8, True), (128, 128, 64, 8, 3, 8, True)),
         ((128, 64, 64, 8, 4, 8, True), (128, 128, 64, 8, 4, 8, True)),
@@ -124,6 +124,7 @@ TRITON_SWEEP = {
         ((64, 64, 64, 4, 3, 8, True), (64, 128, 64, 4, 3, 8, True)),
     ],
 }
+TRITON_SWEEP["w4a8_mxfp4_fp8"] = TRITON_SWEEP["w4a16_nvfp4"]   # the same packed decode and bf16 dot
 BYTES_PER_PARAM = {"bf16": 2.0, "fp8_block_scales": 1 + 4 / 128 ** 2, "w4a16_mxfp4": 0.5 + 1 / 32,
                    "w4a8_mxfp4_fp8": 0.5 + 1 / 32, "w4a16_nvfp4": 0.5 + 1 / 16}
 FP8_PEAK_FORMATS = {"fp8_block_scales", "w4a8_mxfp4_fp8"}

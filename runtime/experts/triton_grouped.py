@@ -3,24 +3,26 @@
 The CUPY GEMMs are mma.sync kernels that stream weights into registers: right for decode, where
 they read weights at up to 4.4 TB/s, but on sm_90 mma.sync runs FP8 as f16 HMMA and bf16 well below
 the wgmma rate. Here, once a call routes enough rows per expert (`TRITON_MIN_ROWS`: 2 for FP8, 4 for
-bf16, 64 for the FP4 formats), both GEMMs run
+bf16, 64 for MXFP4, 128 for NVFP4 and W4A8), both GEMMs run
 as Triton grouped GEMMs (runtime/kernels/triton_grouped.py) over the same CUPY routing, activation
 quantization and combine kernels; smaller calls run the CUPY path unchanged. Same buffers and weight
 layouts as the CUPY class of the format (weights stay packed: FP8 codes and block scales, FP4 words decoded
 to bf16 in the GEMMs' registers).
 
 Per prefill call, with no host synchronization (CUDA-graph capturable): `moe_align` (tiles of BM
-rows of one expert), FP8 only: `quant_fp8_rows` of the tokens (1x128 groups), `gemm1` (token rows gathered in its
-loads, bias, activation, bf16 rounding and, for FP8, the 1x128 quantization of the intermediate in its epilogue),
-`gemm2` (bf16 rows), `moe_combine` (down bias, weights, fp32 sum).
+rows of one expert), FP8 activations only: `quant_fp8_rows` of the tokens (1x128 groups, or W4A8's scale per
+token), `gemm1` (token rows gathered in its loads, bias, activation, bf16 rounding and, for FP8, the 1x128
+quantization of the intermediate in its epilogue), W4A8 only: `quant_fp8_rows` of the intermediate, `gemm2` (bf16
+rows), `moe_combine` (down bias, weights, fp32 sum).
 Triton is imported on the first prefill call only.
 """
 from __future__ import annotations
 
 import torch
 
-from .cupy_mma import (CupyMmaBf16Experts, CupyMmaFp8BlockScalesExperts, CupyMmaW4a16Mxfp4Experts,
-                       CupyMmaW4a16Nvfp4Experts)
+from .. import kernels as K
+from .cupy_mma import (CupyMmaBf16Experts, CupyMmaFp8BlockScalesExperts, CupyMmaW4a8Mxfp4Fp8Experts,
+                       CupyMmaW4a16Mxfp4Experts, CupyMmaW4a16Nvfp4Experts)
 
 _ACT = {"silu_glu": 0, "swiglu_oai": 1, "relu2": 2}
 
@@ -75,11 +77,12 @@ class _TritonGroupedExperts:
             raise ValueError(f"{self.IMPL_ID}: gemm1 quantizes the intermediate per 128 channels: BN must be 128")
         kern, stream, poison, x, ids, weights = launch
         inter, pairs = self.inter_size, tokens * top_k
-        max_tiles, offs, sorted_pair, sorted_expert, pair_pos, tile_expert, tile_row, num_tiles, _ = \
+        max_tiles, offs, sorted_pair, sorted_expert, pair_pos, tile_expert, tile_row, num_tiles, total_ptr = \
             self._route(kern, stream, ids, pairs, cfg1[0])
         a1, as1, hs = x, None, None
-        if fp8:   # the tokens in 1x128 groups; gemm1 quantizes the intermediate in its epilogue
+        if K.AQ[fmt]:   # FP8 activations: 1x128 groups (FP8) or a scale per token (W4A8)
             a1, as1 = self._quantize_rows(kern, stream, x, tokens, hsize, None, poison)
+        if fp8:   # gemm1 quantizes the intermediate in its epilogue
             h = self._empty((pairs, inter), torch.float8_e4m3fn, device, poison)
             hs = self._empty((pairs, inter // 128), torch.float32, device, poison)
         else:
@@ -90,6 +93,8 @@ class _TritonGroupedExperts:
                        tile_expert, tile_row, num_tiles, h, hs, hidden=hsize, inter=inter, top_k=top_k,
                        max_tiles=max_tiles, alpha=spec.swiglu_alpha, limit=spec.swiglu_limit, fmt=fmt,
                        gated=spec.gated, act=_ACT[spec.activation], cfg=cfg1)
+        if fmt == "w4a8_mxfp4_fp8":   # its intermediate's scale spans the whole row: a pass after gemm1
+            h, hs = self._quantize_rows(kern, stream, h, pairs, inter, total_ptr, poison)
         y = self._empty((pairs, hsize), torch.bfloat16, device, poison)
         T.launch_gemm2(h, hs, self.w2, s2, g2, offs, tile_expert, tile_row, num_tiles, y, hidden=hsize, inter=inter,
                        max_tiles=max_tiles, fmt=fmt, cfg=cfg2)
@@ -148,7 +153,21 @@ class TritonWgmmaW4a16Nvfp4Experts(_TritonGroupedExperts, CupyMmaW4a16Nvfp4Exper
                "with their E4M3 block scales, the per-expert scales in the epilogue, for prefill; the CUPY kernels "
                "for decode. " + _TritonGroupedExperts.__doc__)
     IMPL_ID = "triton.wgmma.grouped_gemm.w4a16_nvfp4"
-    # MXFP4's row bound and packed Triton tiles, without the overlap flag (the Gluon kernel decodes E8M0 scales of
-    # the BF16_WORD layout only); not yet timed on their own.
-    TRITON_MIN_ROWS = TritonWgmmaW4a16Mxfp4Experts.TRITON_MIN_ROWS
-    CONFIGS = tuple((bound, tuple(c[:7] for c in cfg)) for bound, cfg in TritonWgmmaW4a16Mxfp4Experts.CONFIGS)
+    # From 128 rows, the packed 128-row tile (no overlapped kernel: the Gluon one decodes E8M0 scales of the
+    # BF16_WORD layout only). bench/moe_layer.py --triton-sweep (H100, 2026-12-07, BENCHMARKS.md) against CUPY: Q 2048
+    # (128 rows) 914 vs 996 us, Q 8192 2501 vs 3324, G 8192 6432 vs 7820; at G 2048 (64 rows) 2742 vs CUPY's 2698, so
+    # CUPY below 128 rows. A 64-row tile on 4 warps ran G 2048 in 2547 us and Q 2048 in 901, but has not run the GPU
+    # tests: not planned yet.
+    TRITON_MIN_ROWS = 128
+    CONFIGS = ((1e9, ((128, 64, 64, 8, 3, 8, True), (128, 128, 64, 8, 3, 8, True))),)
+
+
+class TritonWgmmaW4a8Mxfp4Fp8Experts(_TritonGroupedExperts, CupyMmaW4a8Mxfp4Fp8Experts):
+    __doc__ = ("TRITON, MXFP4 weights kept packed (the CUPY w4a8 layout) and decoded to bf16 in the Triton GEMMs' "
+               "registers, FP8 activations with a scale per token widened to bf16 (exact) and their scales applied in "
+               "the epilogue, for prefill; the CUPY kernels for decode. " + _TritonGroupedExperts.__doc__)
+    IMPL_ID = "triton.wgmma.grouped_gemm.w4a8_mxfp4_fp8"
+    # NVFP4's row bound and tile: the same packed decode and bf16 dot, its activations one byte an element; not yet
+    # timed (bench/moe_layer.py --triton-sweep lists its candidate tiles).
+    TRITON_MIN_ROWS = TritonWgmmaW4a16Nvfp4Experts.TRITON_MIN_ROWS
+    CONFIGS = TritonWgmmaW4a16Nvfp4Experts.CONFIGS

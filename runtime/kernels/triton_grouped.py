@@ -16,7 +16,11 @@ MXFP4 and NVFP4 (W4): the packed words (runtime/kernels/layouts.BF16_WORD bit la
 tiled by 16 x 64: layouts.tile_rows) come through TMA, 64 K elements a step, and are decoded with their block
 scales (E8M0 per 32, or E4M3 per 16) into an exact bf16 block in registers, the dot's first operand (wgmma reads
 it from registers; the accumulator is transposed once after the K loop); NVFP4's per-expert fp32 scale multiplies
-the accumulator in the epilogue. Activations stay bf16. The FP4 decode: fp4_blocks.py.
+the accumulator in the epilogue. Activations stay bf16. W4A8 (MXFP4 weights in the CUPY w4a8 layout,
+layouts.E4M3_WORD, FP8 activations with a scale per token): the same decode from that layout's bits, in its
+stored K order (words of a chunk interleaved by halves), which is the order the CUPY `quant_fp8_rows` writes the
+activations' E4M3 codes in (per-token mode), so they are loaded as they lie and widened to bf16 (exact), their
+per-token scales applied in the epilogue. The FP4 decode: fp4_blocks.py.
 """
 from __future__ import annotations
 
@@ -127,12 +131,16 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, g_ptr, bias_ptr, sorted_pair_ptr, offs_
         acc_t = tl.zeros([BNW, BM], dtype=tl.float32)
         for k0 in range(0, H, BK):
             a = tl.load(a_ptrs)
+            if W4 == 3:
+                a = a.to(tl.bfloat16)   # E4M3 codes: exact in bf16
             acc_t = tl.dot(fp4_block(w_desc, ws_ptr, w_row0, e * n1 + wrow, k0, H, BK, PACKED, W4), a.T, acc_t)
             a_ptrs += BK
         acc = tl.trans(acc_t)
         if W4 == 2:
             # NVFP4's scale per expert and projection, g13 [n, planes]
             acc *= tl.load(g_ptr + e * PLANES + plane)[None, :]
+        if W4 == 3:
+            acc *= tl.load(xs_ptr + tok)[:, None]   # W4A8's activation scale per token, xs [tokens]
     else:
         acc = tl.zeros([BM, BNW], dtype=tl.float32)
         for k0 in range(0, H, BK):
@@ -168,7 +176,7 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, g_ptr, bias_ptr, sorted_pair_ptr, offs_
 
 
 @triton.jit
-def gemm2(h_desc, hs_ptr, w_desc, ws_ptr, g_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, y_ptr,
+def gemm2(h_src, hs_ptr, w_desc, ws_ptr, g_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, y_ptr,
           H, INTER, max_tiles, FP8: tl.constexpr, W4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
           BK: tl.constexpr, GROUP_M: tl.constexpr, PACKED: tl.constexpr):
     pid_m, pid_n = _program(tl.program_id(0), max_tiles, tl.cdiv(H, BN), GROUP_M)
@@ -189,15 +197,19 @@ def gemm2(h_desc, hs_ptr, w_desc, ws_ptr, g_ptr, offs_ptr, tile_expert_ptr, tile
         wrows = e * H + tl.minimum(cols, H - 1)
         acc_t = tl.zeros([BN, BM], dtype=tl.float32)
         for k0 in range(0, INTER, BK):
-            a = h_desc.load([row0, k0])
+            a = h_src.load([row0, k0])
+            if W4 == 3:
+                a = a.to(tl.bfloat16)   # E4M3 codes: exact in bf16
             acc_t = tl.dot(fp4_block(w_desc, ws_ptr, w_row0, wrows, k0, INTER, BK, PACKED, W4), a.T, acc_t)
         acc = tl.trans(acc_t)
         if W4 == 2:
             acc *= tl.load(g_ptr + e)   # NVFP4's scale per expert, g2 [n]
+        if W4 == 3:
+            acc *= tl.load(hs_ptr + rows)[:, None]   # the intermediate's scale per row, hs [pairs]
     else:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, INTER, BK):
-            a = h_desc.load([row0, k0])
+            a = h_src.load([row0, k0])
             b = w_desc.load([w_row0, k0])
             if FP8:
                 kblk = k0 // _SCALE_BLOCK
@@ -244,11 +256,12 @@ def _overlap_cfg(fmt, bm, bn, bk, warps, stages, group_m, packed):
 
 def launch_gemm1(x, xs, w, ws, g, bias, sorted_pair, offs, tile_expert, tile_row, num_tiles, h, hs, *, hidden,
                  inter, top_k, max_tiles, alpha, limit, fmt, gated, act, cfg):
-    """GEMM1 over w13 [n, N1, H] (gate/up interleaved) of weight format `fmt` (bf16, fp8_block_scales, w4a16_mxfp4 or
-    w4a16_nvfp4; ws: its block scales; g: NVFP4's scales per expert and projection [n, planes]); x: bf16 tokens, or
-    E4M3 codes with scales xs [tokens, H / 128] (FP8); cfg = (BM, BN of h, BK, warps, stages[, GROUP_M[, packed[,
-    overlap]]]) (packed: the FP4 decode in bf16x2 pairs, `fp4_blocks.fp4_pair_packed`; overlap: the gluon_w4 kernel,
-    whose decode of a K step overlaps the previous step's wgmma, or for FP8 gluon_fp8's warp-specialized kernel)."""
+    """GEMM1 over w13 [n, N1, H] (gate/up interleaved) of weight format `fmt` (bf16, fp8_block_scales, w4a16_mxfp4,
+    w4a16_nvfp4 or w4a8_mxfp4_fp8; ws: its block scales; g: NVFP4's scales per expert and projection [n, planes]);
+    x: bf16 tokens, or E4M3 codes with scales xs (FP8: [tokens, H / 128]; W4A8: [tokens]); cfg = (BM, BN of h, BK,
+    warps, stages[, GROUP_M[, packed[, overlap]]]) (packed: the FP4 decode in bf16x2 pairs,
+    `fp4_blocks.fp4_pair_packed`; overlap: the gluon_w4 kernel, whose decode of a K step overlaps the previous step's
+    wgmma, or for FP8 gluon_fp8's warp-specialized kernel)."""
     bm, bn, bk, warps, stages, group_m, packed, overlap = _config(cfg)
     if overlap and fmt == "fp8_block_scales":
         from . import gluon_fp8
@@ -282,7 +295,7 @@ def launch_gemm1(x, xs, w, ws, g, bias, sorted_pair, offs, tile_expert, tile_row
 def launch_gemm2(h, hs, w, ws, g, offs, tile_expert, tile_row, num_tiles, y, *, hidden, inter, max_tiles, fmt,
                  cfg):
     """GEMM2 over w2 [n, H, I] of weight format `fmt` into bf16 rows y [pairs, H] (ws: its block scales; g: NVFP4's
-    scales per expert [n]); h: bf16 rows, or E4M3 codes with scales hs [pairs, I / 128] (FP8);
+    scales per expert [n]); h: bf16 rows, or E4M3 codes with scales hs (FP8: [pairs, I / 128]; W4A8: [pairs]);
     cfg = (BM, BN, BK, warps, stages[, GROUP_M[, packed[, overlap]]]), as gemm1's."""
     bm, bn, bk, warps, stages, group_m, packed, overlap = _config(cfg)
     if overlap and fmt == "fp8_block_scales":

@@ -34,11 +34,13 @@ pytest.importorskip("triton")
 TRITON_EXPERTS = registry_classes("TRITON")
 VANILLA = {cls.FORMAT: cls for cls in registry_classes("VANILLA")}
 # (hidden, intermediate): multiples of the K-blocks, not of the 128-wide output blocks (bf16)
-SHAPES = {"bf16": (320, 192), "fp8_block_scales": (384, 256), "w4a16_mxfp4": (320, 192), "w4a16_nvfp4": (320, 192)}
+SHAPES = {"bf16": (320, 192), "fp8_block_scales": (384, 256), "w4a16_mxfp4": (320, 192), "w4a16_nvfp4": (320, 192),
+          "w4a8_mxfp4_fp8": (320, 192)}
+FP8_ACTIVATIONS = ("fp8_block_scales", "w4a8_mxfp4_fp8")
 
 
 def _tolerance(fmt):
-    return (3e-2, 8e-2) if fmt == "fp8_block_scales" else (1e-2, 2.0 ** -5)
+    return (3e-2, 8e-2) if fmt in FP8_ACTIVATIONS else (1e-2, 2.0 ** -5)
 
 
 def _configs(cls):
@@ -47,7 +49,7 @@ def _configs(cls):
     bk = 128 if cls.FORMAT == "fp8_block_scales" else 64
     small = ((16, small_n, bk, 4, 2), (16, 64, bk, 4, 2))
     configs = [cfg for _, cfg in cls.CONFIGS] + [small]
-    if cls.FORMAT in ("w4a16_mxfp4", "w4a16_nvfp4"):
+    if cls.FORMAT in ("w4a16_mxfp4", "w4a16_nvfp4", "w4a8_mxfp4_fp8"):
         # the packed decode (bf16x2 inline PTX, fp4_blocks.fp4_pair_packed) of each: the same bits
         configs = [tuple((*c, 0)[:6] for c in cfg) for cfg in configs]
         configs += [tuple(c + (True,) for c in cfg) for cfg in configs]
@@ -130,6 +132,7 @@ REAL_SHAPES = {   # the layers of the SM90 targets, fewer experts
     "fp8_block_scales": MoeShape(7168, 2048, 4, 2, "silu_glu"),
     "w4a16_mxfp4": MoeShape(2880, 2880, 4, 2, "swiglu_oai", expert_bias=True),
     "w4a16_nvfp4": MoeShape(2048, 768, 4, 2, "silu_glu"),
+    "w4a8_mxfp4_fp8": MoeShape(2880, 2880, 4, 2, "swiglu_oai", expert_bias=True),
 }
 
 
@@ -165,7 +168,7 @@ def test_small_calls_run_the_cupy_path(cls):
     hidden = random_hidden(3, spec, seed=27)
     out = module(hidden.cuda(), ids.cuda(), weights.cuda())
     expected = _reference(cls.FORMAT, spec, tensors, hidden, ids, weights)
-    assert_rel_close(out.cpu(), expected, *((3e-2, 8e-2) if cls.FORMAT == "fp8_block_scales" else (4e-3, 2.0 ** -6)))
+    assert_rel_close(out.cpu(), expected, *((3e-2, 8e-2) if cls.FORMAT in FP8_ACTIVATIONS else (4e-3, 2.0 ** -6)))
 
 
 @pytest.mark.parametrize("cls", TRITON_EXPERTS, ids=lambda c: c.FORMAT)
@@ -201,7 +204,7 @@ def test_ep_ranks_and_tp_shards_sum_to_the_whole(cls):
             total = sum(_module(cls, spec, tensors, p)(hidden, ids, weights, path="triton", tile=tile).float()
                         for p in parallels)
             # a MoE-TP shard quantizes its half of the intermediate with its own scales
-            fp8_tp = cls.FORMAT == "fp8_block_scales" and parallels[0].moe_tp_size > 1
+            fp8_tp = cls.FORMAT in FP8_ACTIVATIONS and parallels[0].moe_tp_size > 1
             assert_rel_close(total.cpu(), whole.cpu(), 4e-2 if fp8_tp else 1e-2, 8e-2)
 
 

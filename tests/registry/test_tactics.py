@@ -220,6 +220,7 @@ def test_the_shortest_queries_of_the_project_registry():
         "triton.wgmma.grouped_gemm.fp8_block_scales": "triton.fp8_block_scales",
         "triton.wgmma.grouped_gemm.w4a16_mxfp4": "triton.w4a16_mxfp4",
         "triton.wgmma.grouped_gemm.w4a16_nvfp4": "triton.w4a16_nvfp4",
+        "triton.wgmma.grouped_gemm.w4a8_mxfp4_fp8": "triton.w4a8_mxfp4_fp8",
         "torch.grouped_mm.grouped_gemm.bf16": "grouped_mm.bf16",
         "torch.grouped_mm.grouped_gemm.fp8_block_scales": "grouped_mm.fp8_block_scales",
         "torch.grouped_mm.grouped_gemm.w4a16_mxfp4": "grouped_mm.w4a16_mxfp4",

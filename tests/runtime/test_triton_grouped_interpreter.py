@@ -1,4 +1,4 @@
-"""The TRITON experts' bf16, MXFP4 and NVFP4 grouped GEMMs (runtime/kernels/triton_grouped.py) in Triton's CPU interpreter
+"""The TRITON experts' bf16, MXFP4, NVFP4 and W4A8 grouped GEMMs (runtime/kernels/triton_grouped.py) in Triton's CPU interpreter
 against a float64 oracle, with every tile configuration the classes plan with and a small one.
 
 Runs only with Triton installed and `TRITON_INTERPRET=1` (e.g. `PYTHONPATH=/path/to/triton TRITON_INTERPRET=1
@@ -11,8 +11,10 @@ Judged per routed pair: GEMM1's bf16 intermediate against the float64 activation
 bf16 rounding, which the interpreter truncates rather than rounds), GEMM2's bf16 rows against the float64
 product of that intermediate. Sizes are multiples of the K-blocks but not of the output blocks (partial tiles),
 with hot experts and experts that get no rows. The FP4 weights are decoded in the kernels (NVFP4's per-expert
-scales applied in their epilogues); the oracle takes them straight from codes and scales in float64. FP8 is not
-covered: the interpreter has no E4M3 dot.
+scales applied in their epilogues); the oracle takes them straight from codes and scales in float64. W4A8's
+GEMMs take E4M3 codes with a scale per row as its classes' `quant_fp8_rows` writes them: `quantize_act_per_token`'s
+codes, each 64-chunk in the stored K order (tests/gpu/test_cupy_experts.py holds the kernel to those bits); the oracle
+multiplies the same codes, in canonical order, and scales. FP8 is not covered: the interpreter has no E4M3 dot.
 """
 from __future__ import annotations
 
@@ -28,7 +30,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 from runtime.experts.base import MoeShape  # noqa: E402
 from runtime.experts.cupy_layout import convert  # noqa: E402
 from runtime.experts.triton_grouped import (_ACT, TritonWgmmaBf16Experts,  # noqa: E402
-                                            TritonWgmmaW4a16Mxfp4Experts, TritonWgmmaW4a16Nvfp4Experts)
+                                            TritonWgmmaW4a8Mxfp4Fp8Experts, TritonWgmmaW4a16Mxfp4Experts,
+                                            TritonWgmmaW4a16Nvfp4Experts)
+from runtime.formats.fp8 import quantize_act_per_token  # noqa: E402
 from runtime.kernels import triton_grouped as T  # noqa: E402
 from tests.runtime.helpers_experts import (_activation64, assert_rel_close, dequantize64,  # noqa: E402
                                           make_expert_tensors, random_hidden, random_routing)
@@ -39,9 +43,9 @@ CASES = ([("bf16", cfg) for _, cfg in TritonWgmmaBf16Experts.CONFIGS] + [("bf16"
          # the planned MXFP4 tiles with the unpacked decode: the packed one is inline PTX, which the interpreter
          # cannot run (tests/gpu/test_triton_experts.py asserts both give the same bits)
          + [(cls.FORMAT, tuple(c[:6] for c in cfg))
-            for cls in (TritonWgmmaW4a16Mxfp4Experts, TritonWgmmaW4a16Nvfp4Experts)
+            for cls in (TritonWgmmaW4a16Mxfp4Experts, TritonWgmmaW4a16Nvfp4Experts, TritonWgmmaW4a8Mxfp4Fp8Experts)
             for _, cfg in cls.CONFIGS]
-         + [("w4a16_mxfp4", SMALL), ("w4a16_nvfp4", SMALL)])
+         + [("w4a16_mxfp4", SMALL), ("w4a16_nvfp4", SMALL), ("w4a8_mxfp4_fp8", SMALL)])
 
 
 def _routing(ids: torch.Tensor, experts: int, bm: int):
@@ -59,11 +63,25 @@ def _routing(ids: torch.Tensor, experts: int, bm: int):
     return sorted_pair, offs, tile_expert, tile_row, torch.tensor([len(tiles)], dtype=torch.int32), max_tiles
 
 
-def _oracle(spec, fmt, tensors, hidden, ids, sorted_pair):
-    """float64 intermediate and down rows of every routed pair, in sorted order."""
+# byte b of a 64-chunk of W4A8's activations holds element 32 (b % 16 // 8) + 8 (b // 16) + b % 8: the decoded
+# weight block's K order (a chunk's words interleaved by halves)
+_STORED = [32 * (b % 16 // 8) + 8 * (b // 16) + b % 8 for b in range(64)]
+
+
+def _per_row_fp8(rows):
+    """W4A8's GEMM input: (E4M3 codes in the stored K order, fp32 scale per row) and the float64 values they stand
+    for, in canonical order."""
+    codes, scale = quantize_act_per_token(rows)
+    stored = codes.view(torch.uint8).reshape(rows.shape[0], -1, 64)[:, :, _STORED].reshape(rows.shape)
+    return stored.view(torch.float8_e4m3fn), scale.reshape(-1), codes.double() * scale.double()
+
+
+def _oracle(spec, fmt, tensors, hidden, ids, sorted_pair, h_fed=None):
+    """float64 intermediate and down rows of every routed pair, in sorted order; the down rows of `h_fed` (float64,
+    sorted order) where given, else of the oracle's own intermediate rounded to bf16."""
     weights = dequantize64(tensors, spec, fmt)
     rows_h, rows_y = [], []
-    for p in sorted_pair.tolist():
+    for row, p in enumerate(sorted_pair.tolist()):
         t, e = p // spec.top_k, int(ids.reshape(-1)[p])
         x = hidden[t].double()
 
@@ -73,7 +91,7 @@ def _oracle(spec, fmt, tensors, hidden, ids, sorted_pair):
 
         h = _activation64(spec, linear(x, "gate") if spec.gated else None, linear(x, "up"))
         rows_h.append(h)
-        rows_y.append(h.to(torch.bfloat16).double() @ weights[e, "down"].T)
+        rows_y.append((h.to(torch.bfloat16).double() if h_fed is None else h_fed[row]) @ weights[e, "down"].T)
     return torch.stack(rows_h), torch.stack(rows_y)
 
 
@@ -91,15 +109,18 @@ def test_grouped_gemms_match_float64(fmt, cfg, activation, tokens, experts):
     (cfg1, cfg2), (h_dim, i_dim) = cfg, (spec.hidden_size, spec.intermediate_size)
     sorted_pair, offs, tile_expert, tile_row, num_tiles, max_tiles = _routing(ids, spec.num_experts, cfg1[0])
     pairs = ids.numel()
+    w4a8 = fmt == "w4a8_mxfp4_fp8"
+    x, xs, x64 = _per_row_fp8(hidden) if w4a8 else (hidden, None, hidden)
     h = torch.full((pairs, i_dim), float("nan"), dtype=torch.bfloat16)
-    T.launch_gemm1(hidden, None, buffers["w13"], buffers.get("s13"), buffers.get("g13"), buffers.get("b13"),
+    T.launch_gemm1(x, xs, buffers["w13"], buffers.get("s13"), buffers.get("g13"), buffers.get("b13"),
                    sorted_pair, offs, tile_expert, tile_row, num_tiles, h, None, hidden=h_dim, inter=i_dim,
                    top_k=spec.top_k, max_tiles=max_tiles, alpha=spec.swiglu_alpha, limit=spec.swiglu_limit, fmt=fmt,
                    gated=spec.gated, act=_ACT[activation], cfg=cfg1)
     y = torch.full((pairs, h_dim), float("nan"), dtype=torch.bfloat16)
-    T.launch_gemm2(h, None, buffers["w2"], buffers.get("s2"), buffers.get("g2"), offs, tile_expert, tile_row,
+    h_in, hs, h64 = _per_row_fp8(h) if w4a8 else (h, None, None)
+    T.launch_gemm2(h_in, hs, buffers["w2"], buffers.get("s2"), buffers.get("g2"), offs, tile_expert, tile_row,
                    num_tiles, y, hidden=h_dim, inter=i_dim, max_tiles=max_tiles, fmt=fmt, cfg=cfg2)
-    ref_h, ref_y = _oracle(spec, fmt, tensors, hidden, ids, sorted_pair)
+    ref_h, ref_y = _oracle(spec, fmt, tensors, x64, ids, sorted_pair, h64)
     assert not h.isnan().any() and not y.isnan().any()
     assert_rel_close(h, ref_h, 1e-2, 2.0 ** -6)
     assert_rel_close(y, ref_y, 1e-2, 2.0 ** -5)
