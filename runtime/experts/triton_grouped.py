@@ -3,7 +3,7 @@
 The CUPY GEMMs are mma.sync kernels that stream weights into registers: right for decode, where
 they read weights at up to 4.4 TB/s, but on sm_90 mma.sync runs FP8 as f16 HMMA and bf16 well below
 the wgmma rate. Here, once a call routes enough rows per expert (`TRITON_MIN_ROWS`: 2 for FP8, 4 for
-bf16, 64 for MXFP4, 128 for NVFP4 and W4A8), both GEMMs run
+bf16, 64 for the 4-bit formats), both GEMMs run
 as Triton grouped GEMMs (runtime/kernels/triton_grouped.py) over the same CUPY routing, activation
 quantization and combine kernels; smaller calls run the CUPY path unchanged. Same buffers and weight
 layouts as the CUPY class of the format (weights stay packed: FP8 codes and block scales, FP4 words decoded
@@ -153,13 +153,13 @@ class TritonWgmmaW4a16Nvfp4Experts(_TritonGroupedExperts, CupyMmaW4a16Nvfp4Exper
                "with their E4M3 block scales, the per-expert scales in the epilogue, for prefill; the CUPY kernels "
                "for decode. " + _TritonGroupedExperts.__doc__)
     IMPL_ID = "triton.wgmma.grouped_gemm.w4a16_nvfp4"
-    # From 128 rows, the packed 128-row tile (no overlapped kernel: the Gluon one decodes E8M0 scales of the
-    # BF16_WORD layout only). bench/moe_layer.py --triton-sweep (H100, 2026-12-07, BENCHMARKS.md) against CUPY: Q 2048
-    # (128 rows) 914 vs 996 us, Q 8192 2501 vs 3324, G 8192 6432 vs 7820; at G 2048 (64 rows) 2742 vs CUPY's 2698, so
-    # CUPY below 128 rows. A 64-row tile on 4 warps ran G 2048 in 2547 us and Q 2048 in 901, but has not run the GPU
-    # tests: not planned yet.
-    TRITON_MIN_ROWS = 128
-    CONFIGS = ((1e9, ((128, 64, 64, 8, 3, 8, True), (128, 128, 64, 8, 3, 8, True))),)
+    # The packed tiles (no overlapped kernel: the Gluon one decodes E8M0 scales of the BF16_WORD layout only).
+    # bench/moe_layer.py --triton-sweep (H100, 2026-12-07, BENCHMARKS.md), us, against CUPY: from 64 to 128 rows the
+    # 64-row tile on 4 warps (G 2048, 64 rows: 2547 vs CUPY's 2698; Q 2048, 128 rows: 901 vs 996), above them the
+    # 128-row tile (Q 8192, 512 rows: 2501 vs 3324; G 8192, 256 rows: 6432 vs 7820, where the 4-warp tile takes 7465).
+    TRITON_MIN_ROWS = 64
+    CONFIGS = ((128, ((64, 64, 64, 4, 3, 8, True), (64, 128, 64, 4, 3, 8, True))),
+               (1e9, ((128, 64, 64, 8, 3, 8, True), (128, 128, 64, 8, 3, 8, True))))
 
 
 class TritonWgmmaW4a8Mxfp4Fp8Experts(_TritonGroupedExperts, CupyMmaW4a8Mxfp4Fp8Experts):
