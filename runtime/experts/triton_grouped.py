@@ -167,7 +167,8 @@ class TritonWgmmaW4a8Mxfp4Fp8Experts(_TritonGroupedExperts, CupyMmaW4a8Mxfp4Fp8E
                "registers, FP8 activations with a scale per token widened to bf16 (exact) and their scales applied in "
                "the epilogue, for prefill; the CUPY kernels for decode. " + _TritonGroupedExperts.__doc__)
     IMPL_ID = "triton.wgmma.grouped_gemm.w4a8_mxfp4_fp8"
-    # NVFP4's row bound and tile: the same packed decode and bf16 dot, its activations one byte an element; not yet
-    # timed (bench/moe_layer.py --triton-sweep lists its candidate tiles).
-    TRITON_MIN_ROWS = TritonWgmmaW4a16Nvfp4Experts.TRITON_MIN_ROWS
-    CONFIGS = TritonWgmmaW4a16Nvfp4Experts.CONFIGS
+    # From 64 rows the packed 64-row tile on 4 warps at every size: bench/moe_layer.py --triton-sweep (H100,
+    # 2026-12-07, BENCHMARKS.md), us, against CUPY: Q 2048 932 vs 1156, Q 8192 2941 vs 4085, G 2048 2579 vs 3049,
+    # G 8192 7484 vs 10298; NVFP4's 128-row tile takes 3944 and 11029 at the 8192-token cells.
+    TRITON_MIN_ROWS = 64
+    CONFIGS = ((1e9, ((64, 64, 64, 4, 3, 8, True), (64, 128, 64, 4, 3, 8, True))),)

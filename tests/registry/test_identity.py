@@ -262,7 +262,7 @@ def test_no_implementation_of_the_project_claims_a_gpu_it_has_not_run_on():
         "triton.wgmma.grouped_gemm.bf16", "triton.wgmma.grouped_gemm.fp8_block_scales",
         "triton.wgmma.grouped_gemm.w4a16_mxfp4",
         # tests/gpu/test_triton_experts.py on an H100 (BENCHMARKS.md, 2026-12-07)
-        "triton.wgmma.grouped_gemm.w4a16_nvfp4",
+        "triton.wgmma.grouped_gemm.w4a16_nvfp4", "triton.wgmma.grouped_gemm.w4a8_mxfp4_fp8",
     ]
     packed = {str(i.id): i.weights for i in registry.impls if i.format in ("w4a16_mxfp4", "w4a16_nvfp4")}
     assert packed == {
