@@ -25,6 +25,9 @@ from .cupy_mma import (CupyMmaBf16Experts, CupyMmaFp8BlockScalesExperts, CupyMma
                        CupyMmaW4a16Mxfp4Experts, CupyMmaW4a16Nvfp4Experts)
 
 _ACT = {"silu_glu": 0, "swiglu_oai": 1, "relu2": 2}
+# the packed FP4 Triton tiles (gemm1, gemm2) the 4-bit classes plan with: 128 token rows on 8 warps, 64 on 4
+_PACKED_128 = ((128, 64, 64, 8, 3, 8, True), (128, 128, 64, 8, 3, 8, True))
+_PACKED_64_4WARPS = ((64, 64, 64, 4, 3, 8, True), (64, 128, 64, 4, 3, 8, True))
 
 
 class _TritonGroupedExperts:
@@ -144,8 +147,7 @@ class TritonWgmmaW4a16Mxfp4Experts(_TritonGroupedExperts, CupyMmaW4a16Mxfp4Exper
     # (the seventh element: bf16x2 pairs, the same bits) is 3-7 % faster than the unpacked one, which is what
     # Triton's CPU interpreter runs.
     TRITON_MIN_ROWS = 64
-    CONFIGS = ((256, ((64, 64, 64, 8, 4, 8, True, True), (64, 128, 64, 8, 4, 8, True, True))),
-               (1e9, ((128, 64, 64, 8, 3, 8, True), (128, 128, 64, 8, 3, 8, True))))
+    CONFIGS = ((256, ((64, 64, 64, 8, 4, 8, True, True), (64, 128, 64, 8, 4, 8, True, True))), (1e9, _PACKED_128))
 
 
 class TritonWgmmaW4a16Nvfp4Experts(_TritonGroupedExperts, CupyMmaW4a16Nvfp4Experts):
@@ -158,8 +160,7 @@ class TritonWgmmaW4a16Nvfp4Experts(_TritonGroupedExperts, CupyMmaW4a16Nvfp4Exper
     # 64-row tile on 4 warps (G 2048, 64 rows: 2547 vs CUPY's 2698; Q 2048, 128 rows: 901 vs 996), above them the
     # 128-row tile (Q 8192, 512 rows: 2501 vs 3324; G 8192, 256 rows: 6432 vs 7820, where the 4-warp tile takes 7465).
     TRITON_MIN_ROWS = 64
-    CONFIGS = ((128, ((64, 64, 64, 4, 3, 8, True), (64, 128, 64, 4, 3, 8, True))),
-               (1e9, ((128, 64, 64, 8, 3, 8, True), (128, 128, 64, 8, 3, 8, True))))
+    CONFIGS = ((128, _PACKED_64_4WARPS), (1e9, _PACKED_128))
 
 
 class TritonWgmmaW4a8Mxfp4Fp8Experts(_TritonGroupedExperts, CupyMmaW4a8Mxfp4Fp8Experts):
@@ -171,4 +172,4 @@ class TritonWgmmaW4a8Mxfp4Fp8Experts(_TritonGroupedExperts, CupyMmaW4a8Mxfp4Fp8E
     # 2026-12-07, BENCHMARKS.md), us, against CUPY: Q 2048 932 vs 1156, Q 8192 2941 vs 4085, G 2048 2579 vs 3049,
     # G 8192 7484 vs 10298; NVFP4's 128-row tile takes 3944 and 11029 at the 8192-token cells.
     TRITON_MIN_ROWS = 64
-    CONFIGS = ((1e9, ((64, 64, 64, 4, 3, 8, True), (64, 128, 64, 4, 3, 8, True))),)
+    CONFIGS = ((1e9, _PACKED_64_4WARPS),)

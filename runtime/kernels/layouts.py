@@ -51,10 +51,20 @@ def relayout_fp4(packed: torch.Tensor, layout: str) -> torch.Tensor:
         new |= (code & 7) << mag_pos
         new |= (code >> 3) << sign_pos
     if layout == "e4m3":
-        shape = new.shape
-        new = new.reshape(*shape[:-1], shape[-1] // 8, 8)[..., list(_W4A8_WORD_ORDER)].reshape(shape)
+        new = w4a8_stored_order(new, word=1)
     new = torch.where(new >= 2 ** 31, new - 2 ** 32, new).to(torch.int32)
     return new.view(torch.uint8).reshape(packed.shape)
+
+
+def w4a8_stored_order(x: torch.Tensor, word: int = 8) -> torch.Tensor:
+    """x [..., N] with each 64-element K chunk's eight words (8 elements each; `word` entries of x a word: 8 for an
+    entry per element, 1 for packed words) in w4a8's stored order (`_W4A8_WORD_ORDER`): the order `relayout_fp4`
+    gives its e4m3 words, and the order quant_fp8_rows writes W4A8's activation codes in, so the GEMMs multiply
+    both as they lie. Same shape."""
+    *lead, n = x.shape
+    if n % (8 * word):
+        raise ValueError(f"w4a8_stored_order needs whole 64-element chunks: {n} entries of {word} a word")
+    return x.reshape(*lead, n // (8 * word), 8, word)[..., list(_W4A8_WORD_ORDER), :].reshape(x.shape)
 
 
 def tile_rows(packed: torch.Tensor, chunk_bytes: int) -> torch.Tensor:

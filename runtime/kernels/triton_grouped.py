@@ -176,7 +176,7 @@ def gemm1(x_ptr, xs_ptr, w_desc, ws_ptr, g_ptr, bias_ptr, sorted_pair_ptr, offs_
 
 
 @triton.jit
-def gemm2(h_src, hs_ptr, w_desc, ws_ptr, g_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, y_ptr,
+def gemm2(h_desc, hs_ptr, w_desc, ws_ptr, g_ptr, offs_ptr, tile_expert_ptr, tile_row_ptr, num_tiles_ptr, y_ptr,
           H, INTER, max_tiles, FP8: tl.constexpr, W4: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
           BK: tl.constexpr, GROUP_M: tl.constexpr, PACKED: tl.constexpr):
     pid_m, pid_n = _program(tl.program_id(0), max_tiles, tl.cdiv(H, BN), GROUP_M)
@@ -197,7 +197,7 @@ def gemm2(h_src, hs_ptr, w_desc, ws_ptr, g_ptr, offs_ptr, tile_expert_ptr, tile_
         wrows = e * H + tl.minimum(cols, H - 1)
         acc_t = tl.zeros([BN, BM], dtype=tl.float32)
         for k0 in range(0, INTER, BK):
-            a = h_src.load([row0, k0])
+            a = h_desc.load([row0, k0])
             if W4 == 3:
                 a = a.to(tl.bfloat16)   # E4M3 codes: exact in bf16
             acc_t = tl.dot(fp4_block(w_desc, ws_ptr, w_row0, wrows, k0, INTER, BK, PACKED, W4), a.T, acc_t)
@@ -209,7 +209,7 @@ def gemm2(h_src, hs_ptr, w_desc, ws_ptr, g_ptr, offs_ptr, tile_expert_ptr, tile_
     else:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, INTER, BK):
-            a = h_src.load([row0, k0])
+            a = h_desc.load([row0, k0])
             b = w_desc.load([w_row0, k0])
             if FP8:
                 kblk = k0 // _SCALE_BLOCK

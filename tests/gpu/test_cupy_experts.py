@@ -23,6 +23,7 @@ import torch
 from runtime import kernels as K
 from runtime.experts.base import DictExpertSource, ExpertParallel, MoeShape
 from runtime.experts.cupy_mma import CupyMmaBf16Experts
+from runtime.kernels.layouts import w4a8_stored_order
 from tests.gpu.helpers_graphs import allocated_during, assert_graph_replay_matches_eager, experts_workspace_bytes
 from tests.runtime.helpers_experts import (assert_rel_close, make_expert_tensors, random_hidden, random_routing,
                                           registry_classes)
@@ -282,9 +283,8 @@ def test_fp8_activation_quantization_matches_the_codecs(width):
         else:
             codes, scales = fp8.quantize_act_per_token(x)
             scales = scales[:, 0]
-            # the w4a8 GEMM reads each 64-chunk permuted: element 32s + 8t + i at byte 16t + 8s + i
-            perm = [32 * (b % 16 // 8) + 8 * (b // 16) + b % 8 for b in range(64)]
-            codes = codes.view(torch.uint8).reshape(9, width // 64, 64)[:, :, perm].reshape(9, width).view(torch.float8_e4m3fn)
+            # the w4a8 GEMM reads each 64-chunk's words in its stored order
+            codes = w4a8_stored_order(codes.view(torch.uint8)).view(torch.float8_e4m3fn)
         assert torch.equal(q.cpu(), codes.view(torch.uint8)), mode
         assert torch.equal(s.cpu(), scales.float()), mode
 

@@ -36,7 +36,7 @@ VANILLA = {cls.FORMAT: cls for cls in registry_classes("VANILLA")}
 # (hidden, intermediate): multiples of the K-blocks, not of the 128-wide output blocks (bf16)
 SHAPES = {"bf16": (320, 192), "fp8_block_scales": (384, 256), "w4a16_mxfp4": (320, 192), "w4a16_nvfp4": (320, 192),
           "w4a8_mxfp4_fp8": (320, 192)}
-FP8_ACTIVATIONS = ("fp8_block_scales", "w4a8_mxfp4_fp8")
+FP8_ACTIVATIONS = tuple(fmt for fmt, aq in K.AQ.items() if aq)   # formats whose activations are E4M3 codes
 
 
 def _tolerance(fmt):

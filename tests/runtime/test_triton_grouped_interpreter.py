@@ -34,6 +34,7 @@ from runtime.experts.triton_grouped import (_ACT, TritonWgmmaBf16Experts,  # noq
                                             TritonWgmmaW4a16Nvfp4Experts)
 from runtime.formats.fp8 import quantize_act_per_token  # noqa: E402
 from runtime.kernels import triton_grouped as T  # noqa: E402
+from runtime.kernels.layouts import w4a8_stored_order  # noqa: E402
 from tests.runtime.helpers_experts import (_activation64, assert_rel_close, dequantize64,  # noqa: E402
                                           make_expert_tensors, random_hidden, random_routing)
 from tests.runtime.helpers_triton import bf16_dot  # noqa: E402,F401  (autouse fixture)
@@ -63,16 +64,11 @@ def _routing(ids: torch.Tensor, experts: int, bm: int):
     return sorted_pair, offs, tile_expert, tile_row, torch.tensor([len(tiles)], dtype=torch.int32), max_tiles
 
 
-# byte b of a 64-chunk of W4A8's activations holds element 32 (b % 16 // 8) + 8 (b // 16) + b % 8: the decoded
-# weight block's K order (a chunk's words interleaved by halves)
-_STORED = [32 * (b % 16 // 8) + 8 * (b // 16) + b % 8 for b in range(64)]
-
-
 def _per_row_fp8(rows):
     """W4A8's GEMM input: (E4M3 codes in the stored K order, fp32 scale per row) and the float64 values they stand
     for, in canonical order."""
     codes, scale = quantize_act_per_token(rows)
-    stored = codes.view(torch.uint8).reshape(rows.shape[0], -1, 64)[:, :, _STORED].reshape(rows.shape)
+    stored = w4a8_stored_order(codes.view(torch.uint8))
     return stored.view(torch.float8_e4m3fn), scale.reshape(-1), codes.double() * scale.double()
 
 
