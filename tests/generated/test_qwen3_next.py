@@ -3,7 +3,11 @@ saved, loaded by `load_model`: its logits are transformers' (fp32), and decoding
 the DeltaNet's recurrent states) gives the full forward's logits.
 
 Tolerances (fp32, VANILLA experts): relative L2 error of the logits <= 1e-5 over the whole tensor, and at every
-position the largest logit difference within 2e-5 of the largest logit, as the other families' parity tests.
+position the largest logit difference within 2e-5 of the largest logit, as the other families' parity tests. The
+decoded logits get 1e-4: a decode step advances each DeltaNet state one token at a time, where the full forward
+solves a chunk at once, so the fp32 sums differ in order; over 800 fresh draws of token ids they differed from the
+full forward's by at most 6.1e-5 of the largest logit (2e-5 failed about one draw in a hundred). transformers' own
+cached decode drifts from its full forward alike (worst of 150 draws: 1.2e-5, ours 0.9e-5).
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from tests.generated import builds
 
 # Layers 0 and 2 DeltaNet, 1 and 3 gated attention (full_attention_interval 2); 0 and 2 dense MLPs, 1 and 3 MoE.
 OVERRIDES = dict(num_hidden_layers=4, decoder_sparse_step=2, intermediate_size=96)
+DECODE_TOL = 1e-4   # the decoded logits against the full forward's (module docstring)
 
 
 def test_a_four_layer_build_by_the_cli_computes_transformers_logits_and_decodes_to_them():
@@ -33,5 +38,5 @@ def test_a_four_layer_build_by_the_cli_computes_transformers_logits_and_decodes_
     assert builds.rel_err(full, expected) <= 1e-5
     assert builds.largest_diff(full, expected).max() < 2e-5
     decoded = torch.stack(steps, dim=1)   # the logits of positions prefill-1 .. 15
-    assert builds.largest_diff(decoded, full[:, prefill - 1:]).max() < 2e-5
-    assert builds.largest_diff(decoded, expected[:, prefill - 1:]).max() < 2e-5
+    assert builds.largest_diff(decoded, full[:, prefill - 1:]).max() < DECODE_TOL
+    assert builds.largest_diff(decoded, expected[:, prefill - 1:]).max() < DECODE_TOL
