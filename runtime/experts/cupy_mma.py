@@ -9,8 +9,9 @@ Per call, with no host synchronization (CUDA-graph capturable):
   5. GEMM2 (down) writes fp32 rows; 6. `moe_combine` adds the down bias, weighs and sums each
      token's rows in fp32 and rounds once to bf16.
 A one-token call (a batch-1 decode step) takes the `pairs` path: each routing pair is its own tile
-(the `_pairs` GEMMs read the expert from the ids, and y's rows are the pairs) and step 1 is skipped;
-steps 2-6 compute the same values with one launch fewer. Its top-k experts are distinct; a call of
+(the `_pairs` GEMMs read the expert from the ids, and y's rows are the pairs), step 1 is skipped and
+GEMM2 runs step 6 too (the last of a token's pairs to finish 16 channels combines them); the same
+values with two launches fewer. Its top-k experts are distinct; a call of
 more tokens takes it too while the experts its pairs share are cheap to read again (`_pairs_pay`).
 The GEMMs are `moe_gemm` (tensor-core mma.sync, weights streamed from HBM into registers and
 dequantized there, so quantized weights stay packed on the device); the W4A16 decode tiles run its staged
@@ -78,6 +79,7 @@ class _CupyMmaExperts(CupyPlan, ExpertsBase):
         super().__init__(spec, parallel, device, dtype)
         self._local_maps: dict = {}
         self._align_tickets: dict = {}
+        self._combine_counters: dict = {}
         # the moe_gemm kernels the last call launched, "gemm1" / "gemm2" -> name (the split factor included), so
         # that a benchmark reports what ran; empty after a call that launched none (grouped_mm, Triton)
         self.last_gemm_kernels: dict[str, str] = {}
@@ -122,6 +124,16 @@ class _CupyMmaExperts(CupyPlan, ExpertsBase):
         if ticket is None:
             ticket = self._align_tickets[device] = kernel_counters(1, device, f"{type(self).__name__}'s moe_align_count")
         return ticket
+
+    def _pair_counters(self, device, tokens: int) -> torch.Tensor:
+        """The pair GEMM2's fused-combine counters, one per token and 16 channels (zero between calls), a set per
+        call size: a CUDA graph keeps the set its capture used."""
+        size = tokens * (self.spec.hidden_size // 16)
+        counters = self._combine_counters.get((device, size))
+        if counters is None:
+            counters = self._combine_counters[(device, size)] = kernel_counters(
+                size, device, f"{type(self).__name__}'s fused combine")
+        return counters
 
     def prepare(self, device=None) -> None:
         """Compile the kernels and upload the routing tables now (before any CUDA-graph capture)."""
@@ -190,14 +202,11 @@ class _CupyMmaExperts(CupyPlan, ExpertsBase):
                 raise ValueError(f"{self.IMPL_ID}: the pairs path runs the {K.SPLIT_TILE} warp tile, not {tile}")
             local = self._local_map(device)
             tiles = _Tiles(pairs, (_p(ids), _p(local), _i(spec.num_experts), _i(pairs)), pairs, by_pair=True)
-            # y's rows are the pairs: moe_combine reads their experts from the ids
-            pair_pos = sorted_expert = total_ptr = None
-            pair_ids = (ids, local)
+            total_ptr = None
         else:
             max_tiles, offs, sorted_pair, sorted_expert, pair_pos, tile_expert, tile_row, num_tiles, total_ptr = \
                 self._route(kern, stream, ids, pairs, 8 * tile[1])
             tiles = _Tiles(max_tiles, (_p(sorted_pair), _p(offs), _p(tile_expert), _p(tile_row), _p(num_tiles)), pairs)
-            pair_ids = (None, None)
         kind, alpha, limit = _ACT_KIND[spec.activation], spec.swiglu_alpha, spec.swiglu_limit
         b13 = self.b13 if spec.expert_bias else None
 
@@ -226,18 +235,26 @@ class _CupyMmaExperts(CupyPlan, ExpertsBase):
             ws2_2 = self.g2 if fmt == "w4a16_nvfp4" else None
             s13 = self.s13 if fmt != "bf16" else None
             s2 = self.s2 if fmt != "bf16" else None
+            # the pair GEMMs' last arguments: GEMM2's fused combine (weights, down bias, output, counters); none for GEMM1
+            no_combine = (_p(None),) * 4 if tiles.by_pair else ()
             self._gemm(kern, stream, epi1, tile, tiles, self.w13, s13, ws2_13, a1, as1, 1, b13, h, n1, hsize, inter,
-                       top_k, kind, alpha, limit, staging[0])
+                       top_k, kind, alpha, limit, staging[0], no_combine)
             a2, as2 = h, None
             if aq:
                 a2, as2 = self._quantize_rows(kern, stream, h, pairs, inter, total_ptr, poison)
             y = self._empty((pairs, hsize), torch.float32, device, poison)
+            combine = ()
+            if tiles.by_pair:
+                out = self._empty((tokens, hsize), torch.bfloat16, device, poison)
+                b2 = self.b2 if self.adds_down_bias else None
+                combine = (_p(weights), _p(b2), _p(out), _p(self._pair_counters(device, tokens)))
             self._gemm(kern, stream, K.EPI_DOWN, tile, tiles, self.w2, s2, ws2_2, a2, as2, 0, None, y, hsize, inter,
-                       inter, top_k, kind, alpha, limit, staging[1])
+                       inter, top_k, kind, alpha, limit, staging[1], combine)
+            if tiles.by_pair:
+                return out if hidden.dtype == torch.bfloat16 else out.to(hidden.dtype)
             y_bf16 = 0
 
-        return self._combine(kern, stream, y, y_bf16, pair_pos, sorted_expert, weights, tokens, hidden.dtype,
-                             *pair_ids)
+        return self._combine(kern, stream, y, y_bf16, pair_pos, sorted_expert, weights, tokens, hidden.dtype)
 
     def _quantize_rows(self, kern, stream, rows, count, width, total_ptr, poison):
         """`quant_fp8_rows`: E4M3 codes (float8_e4m3fn) and fp32 scales of `count` bf16 rows of `width` (the first
@@ -278,20 +295,18 @@ class _CupyMmaExperts(CupyPlan, ExpertsBase):
                         stream)
         return max_tiles, offs, sorted_pair, sorted_expert, pair_pos, tile_expert, tile_row, num_tiles, total_ptr
 
-    def _combine(self, kern, stream, y, y_bf16, pair_pos, sorted_expert, weights, tokens, dtype, ids=None,
-                 local_map=None):
-        """`moe_combine`: each token's rows of `y` (sorted order; pair order when `pair_pos` is None, the
-        pairs' experts then read through `ids` and `local_map`) plus the down bias, weighed, summed in
-        fp32 and rounded once to bf16; returned in `dtype`."""
+    def _combine(self, kern, stream, y, y_bf16, pair_pos, sorted_expert, weights, tokens, dtype):
+        """`moe_combine`: each token's rows of `y` (sorted order) plus the down bias, weighed, summed in fp32 and
+        rounded once to bf16; returned in `dtype`. (The pairs path combines in its GEMM2.)"""
         hsize, b2 = self.spec.hidden_size, self.b2 if self.adds_down_bias else None
         out = self._empty((tokens, hsize), torch.bfloat16, y.device, self.debug_poison)
         kern.launch("moe_combine", (math.ceil(hsize / 1024), tokens), (256,),
                     (_p(y), _i(y_bf16), _p(pair_pos), _p(sorted_expert), _p(weights), _p(b2), _p(out),
-                     _i(hsize), _i(weights.shape[1]), _p(ids), _p(local_map), _i(self.spec.num_experts)), stream)
+                     _i(hsize), _i(weights.shape[1])), stream)
         return out if dtype == torch.bfloat16 else out.to(dtype)
 
     def _gemm(self, kern, stream, epi, tile, tiles: _Tiles, w, ws, ws2, a, a_scale, a_by_token, bias, out, n, k,
-              inter, top_k, kind, alpha, limit, staging=None):
+              inter, top_k, kind, alpha, limit, staging=None, combine=()):
         if staging is None:
             tile = self._split(kern, epi, tile, tiles.routed, n, k, tiles.by_pair)
             name, threads, smem = K.gemm_name(self.FORMAT, epi, tile, pairs=tiles.by_pair), 128, 0
@@ -302,7 +317,7 @@ class _CupyMmaExperts(CupyPlan, ExpertsBase):
         grid = kern.persistent_grid(name, tiles.count * row_blocks(n, tile), threads, smem)
         kern.launch(name, (grid,), (threads,),
                     (_p(w), _p(ws), _p(ws2), _p(a), _p(a_scale), _i(a_by_token), *tiles.args, _p(bias), _p(out),
-                     _i(n), _i(k), _i(inter), _i(top_k), _i(kind), _f(alpha), _f(limit)), stream, smem)
+                     _i(n), _i(k), _i(inter), _i(top_k), _i(kind), _f(alpha), _f(limit), *combine), stream, smem)
 
 
 class CupyMmaBf16Experts(_CupyMmaExperts):

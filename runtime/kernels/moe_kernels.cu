@@ -27,8 +27,8 @@
 //    nothing is read back to the host and the whole op is CUDA-graph capturable.
 //  * pair tiles (the `_pairs` entry points) skip the sort for one-token calls, whose top-k experts
 //    are distinct, and for calls whose shared experts are cheap to read again: tile p is routing pair
-//    p (its expert read from the ids, one row), so neither GEMM nor moe_combine needs moe_align's
-//    arrays, and the call has one launch fewer.
+//    p (its expert read from the ids, one row), so neither GEMM needs moe_align's arrays, and the
+//    GEMM2 also runs the combine (combine_tile, by its token's last pair per 16 channels): two launches fewer.
 //  * every kernel is launched with programmatic dependent launch and waits (griddepcontrol.wait) before
 //    it reads an earlier kernel's output, with coherent loads only; GEMM2 issues its first weight loads
 //    before its wait, overlapping GEMM1's end.
@@ -65,6 +65,20 @@ __device__ __forceinline__ u16 f32_to_bf16(float f) {
   u16 r;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
   return r;
+}
+
+// Four fp32 rounded to bf16 and stored as one 8-byte word at dst.
+__device__ __forceinline__ void store_bf16x4(u16* dst, const float (&v)[4]) {
+  uint2 o;
+  o.x = (u32)f32_to_bf16(v[0]) | ((u32)f32_to_bf16(v[1]) << 16);
+  o.y = (u32)f32_to_bf16(v[2]) | ((u32)f32_to_bf16(v[3]) << 16);
+  *reinterpret_cast<uint2*>(dst) = o;
+}
+
+// v[i] += b[i] for four channels, b read as one float4.
+__device__ __forceinline__ void add4(float (&v)[4], const float* b) {
+  const float4 x = *reinterpret_cast<const float4*>(b);
+  v[0] += x.x; v[1] += x.y; v[2] += x.z; v[3] += x.w;
 }
 
 // Two fp32 -> E4M3 (round to nearest even, saturating at +-448); lo in the low byte.
@@ -509,16 +523,14 @@ extern "C" __global__ void __launch_bounds__(128) act_rows(
 // ------------------------------------------------------------------------------------------------
 // weighted combine: out[t] = sum_j w[t, j] * (y[pos(t, j)] + bias[e(t, j)]) in fp32, then bf16
 // ------------------------------------------------------------------------------------------------
-// y is fp32 (ybf16 = 0) or bf16 (ybf16 = 1), rows in sorted order. One thread per 4 channels.
-// Pair tiles (pair_pos null): row p of y is pair p, its local expert read through ids and local_map.
-// The pairs are taken COMBINE_BATCH at a time, each stage's loads issued before any of its values is
-// tested (rows or ids, then experts, then y and biases): one pair after another cost two dependent L2
-// round trips each, most of the kernel's time at one token. The sum still runs in pair order.
+// y is fp32 (ybf16 = 0) or bf16 (ybf16 = 1), rows in sorted order. One thread per 4 channels. (Pair
+// tiles combine in their GEMM2: combine_tile.) The pairs are taken COMBINE_BATCH at a time, each
+// stage's loads issued before any of its values is tested (rows, then experts, then y and biases): one
+// pair after another cost two dependent L2 round trips each. The sum still runs in pair order.
 #define COMBINE_BATCH 8
 extern "C" __global__ void __launch_bounds__(256) moe_combine(
     const void* y, int ybf16, const int* pair_pos, const int* sorted_expert,
-    const float* topk_w, const float* __restrict__ bias, u16* __restrict__ out, int H, int topk,
-    const long long* ids, const int* __restrict__ local_map, int num_experts) {
+    const float* topk_w, const float* __restrict__ bias, u16* __restrict__ out, int H, int topk) {
   wait_then_release();
   const int t = blockIdx.y;
   const int c = (blockIdx.x * blockDim.x + threadIdx.x) * 4;
@@ -529,24 +541,16 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(
     const int p0 = t * topk + j0;
     int pos[COMBINE_BATCH], le[COMBINE_BATCH];
     float w[COMBINE_BATCH];
-    long long g[COMBINE_BATCH];
 #pragma unroll
     for (int q = 0; q < COMBINE_BATCH; ++q) {
-      pos[q] = -1; le[q] = -1; w[q] = 0.f; g[q] = -1;
+      pos[q] = -1; w[q] = 0.f;
       if (q < n) {
         w[q] = topk_w[p0 + q];
-        if (pair_pos) pos[q] = pair_pos[p0 + q];
-        else g[q] = ids[p0 + q];
+        pos[q] = pair_pos[p0 + q];
       }
     }
 #pragma unroll
-    for (int q = 0; q < COMBINE_BATCH; ++q) {
-      if (pair_pos) le[q] = (bias && pos[q] >= 0) ? sorted_expert[pos[q]] : 0;
-      else {
-        le[q] = local_of(g[q], local_map, num_experts);
-        pos[q] = le[q] >= 0 ? p0 + q : -1;
-      }
-    }
+    for (int q = 0; q < COMBINE_BATCH; ++q) le[q] = (bias && pos[q] >= 0) ? sorted_expert[pos[q]] : 0;
     float v[COMBINE_BATCH][4];
 #pragma unroll
     for (int q = 0; q < COMBINE_BATCH; ++q) {
@@ -560,10 +564,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(
           const float4 raw = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(y) + (size_t)pos[q] * H + c);
           v[q][0] = raw.x; v[q][1] = raw.y; v[q][2] = raw.z; v[q][3] = raw.w;
         }
-        if (bias) {
-          const float4 b = *reinterpret_cast<const float4*>(bias + (size_t)le[q] * H + c);
-          v[q][0] += b.x; v[q][1] += b.y; v[q][2] += b.z; v[q][3] += b.w;
-        }
+        if (bias) add4(v[q], bias + (size_t)le[q] * H + c);
       }
     }
 #pragma unroll
@@ -573,10 +574,78 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(
         for (int i = 0; i < 4; ++i) acc[i] += v[q][i] * w[q];
       }
   }
-  uint2 o;
-  o.x = (u32)f32_to_bf16(acc[0]) | ((u32)f32_to_bf16(acc[1]) << 16);
-  o.y = (u32)f32_to_bf16(acc[2]) | ((u32)f32_to_bf16(acc[3]) << 16);
-  *reinterpret_cast<uint2*>(out + (size_t)t * H + c) = o;
+  store_bf16x4(out + (size_t)t * H + c, acc);
+}
+
+// The pair GEMM2's fused combine (`combined` given: the call then launches no moe_combine). The warp that stored
+// m-tile mt of pair p into y (or skipped it: another rank's expert, a dropped slot) counts it on counters[t][mt];
+// the last of token t's topk pairs to arrive combines that m-tile's 16 channels. Fences and count as in the
+// router's last CTA (moe_route).
+// The count of a warp's m-tile mt of pair p: whether it was the last of token p / topk's pairs (then fenced to read the
+// others' rows, and the counter reset for the next launch or graph replay).
+__device__ __forceinline__ bool last_pair_tile(unsigned int* __restrict__ counters, int p, int mt, int N, int topk) {
+  unsigned int* counter = counters + (size_t)(p / topk) * (N / 16) + mt;
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  __syncwarp();
+  int last = 0;
+  if ((threadIdx.x & 31) == 0) last = atomicAdd(counter, 1u) == (unsigned int)topk - 1u;
+  last = __shfl_sync(0xffffffffu, last, 0);
+  __syncwarp();
+  if (!last) return false;
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  if ((threadIdx.x & 31) == 0) *counter = 0u;
+  return true;
+}
+
+// Lane 4q + i's pair in combine_tile's batch j0 (pair j0 + q of token t, if below topk): its local expert (-1: none
+// here) and weight. Inputs of the op, not GEMM output: the pair GEMM2 loads batch 0's at the start of its item, so
+// that the last warp's chain after its count is one read of y, not ids, then local_map, then y.
+struct CombineLane {
+  int le;
+  float w;
+};
+__device__ __forceinline__ CombineLane combine_lane(const long long* ids, const int* __restrict__ local_map,
+                                                    int num_experts, const float* topk_w, int t, int j0, int topk) {
+  const int q = (threadIdx.x & 31) >> 2;
+  if (j0 + q >= topk) return {-1, 0.f};
+  const int pq = t * topk + j0 + q;
+  return {local_expert(ids, local_map, num_experts, pq), topk_w[pq]};
+}
+
+// Channels 16 mt .. 16 mt + 15 of token t, summed as moe_combine does (the same sums in the same order: the same
+// bits). Lane 4q + i loads pair j0 + q's channels 4i..4i+3, eight pairs' loads in flight at once; lanes 0-3 then sum
+// them in pair order through shuffles. Few registers: moe_combine's thread, inlined here, took the bf16 GEMM2 from
+// 128 registers to 162 (not inlined, the call's ABI cost more). `first`: batch 0's combine_lane.
+__device__ __forceinline__ void combine_tile(
+    const float* y, const float* topk_w, const float* __restrict__ bias, u16* __restrict__ combined, int t, int mt,
+    int N, int topk, const long long* ids, const int* __restrict__ local_map, int num_experts, CombineLane first) {
+  const int lane = threadIdx.x & 31, q = lane >> 2, c = mt * 16 + 4 * (lane & 3);
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 1
+  for (int j0 = 0; j0 < topk; j0 += COMBINE_BATCH) {
+    const CombineLane mine = j0 == 0 ? first : combine_lane(ids, local_map, num_experts, topk_w, t, j0, topk);
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (mine.le >= 0) {
+      const int pq = t * topk + j0 + q;
+      const float4 raw = __ldcg(reinterpret_cast<const float4*>(y + (size_t)pq * N + c));   // not a stale L1 line
+      v[0] = raw.x; v[1] = raw.y; v[2] = raw.z; v[3] = raw.w;
+      if (bias) add4(v, bias + (size_t)mine.le * N + c);
+    }
+#pragma unroll 1
+    for (int s = 0; s < COMBINE_BATCH && j0 + s < topk; ++s) {
+      const int src = 4 * s + (lane & 3);
+      const int ps = __shfl_sync(0xffffffffu, mine.le >= 0, src);
+      const float ws = __shfl_sync(0xffffffffu, mine.w, src);
+      float vs[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) vs[i] = __shfl_sync(0xffffffffu, v[i], src);
+      if (ps) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[i] += vs[i] * ws;
+      }
+    }
+  }
+  if (lane < 4) store_bf16x4(combined + (size_t)t * N + c, acc);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1039,7 +1108,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[MT][NT][4], const 
 // rows: decode calls whose items would leave SMs idle use it (runtime/experts/cupy_mma.py: _split).
 // PT (pair tiles): the tiles are the routing pairs `ids` [pairs] (global expert ids, mapped to this
 // rank's by `local_map`; pairs of other ranks' experts are skipped), one row each, and the sort arrays
-// are unused.
+// are unused. The pair GEMM2 given `combined` also runs the combine (combine_tile).
 template <int WF, int AQ, int EPI, int MT, int NT, int SK, bool PT>
 __device__ __forceinline__ void moe_gemm_impl(
     const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2,
@@ -1048,7 +1117,8 @@ __device__ __forceinline__ void moe_gemm_impl(
     const int* tile_row, const int* num_tiles,
     const long long* ids, const int* __restrict__ local_map, int num_experts, int pairs,
     const float* __restrict__ bias, void* __restrict__ out, int N, int K, int I, int topk, int kind,
-    float alpha, float limit) {
+    float alpha, float limit, const float* topk_w, const float* __restrict__ combine_bias,
+    u16* __restrict__ combined, unsigned int* __restrict__ counters) {
   constexpr int BT = 8 * NT;
   constexpr int WW = WTraits<WF>::WORDS;
   constexpr int AW = ATraits<AQ>::WORDS;
@@ -1085,10 +1155,24 @@ __device__ __forceinline__ void moe_gemm_impl(
     // this warp has no rows in the edge block (split K: it computes clamped rows and stores none,
     // as its group's other warps meet it at the barriers below)
     if (SK == 1 && mt0 >= n_tiles16) continue;
+    // the pair GEMM2's fused combine: the warp that stores an m-tile (ks 0) counts it, and its lane's pair of the
+    // token's first batch is loaded now, under the K loop
+    const bool combines = PT && EPI == EPI_DOWN && combined && ks == 0 && mt0 < n_tiles16;
+    CombineLane first{-1, 0.f};
+    if (combines) first = combine_lane(ids, local_map, num_experts, topk_w, tile / topk, 0, topk);
+    // this warp's m-tile of pair `tile` is final in y, or absent: count it, combine if last
+    auto pair_done = [&]() {
+      if (combines && last_pair_tile(counters, tile, mt0, N, topk))
+        combine_tile(reinterpret_cast<const float*>(out), topk_w, combine_bias, combined, tile / topk, mt0, N, topk,
+                     ids, local_map, num_experts, first);
+    };
     int le, r0, cnt;
     if constexpr (PT) {
       le = local_expert(ids, local_map, num_experts, tile);
-      if (le < 0) continue;   // another rank's expert (or a dropped slot): the same for the whole CTA
+      if (le < 0) {   // another rank's expert (or a dropped slot): the same for the whole CTA
+        pair_done();
+        continue;
+      }
       r0 = tile;              // the pair's row of h and y
       cnt = 1;
     } else {
@@ -1283,6 +1367,7 @@ __device__ __forceinline__ void moe_gemm_impl(
       if (ks) continue;
     }
     store_tile<WF, AQ, EPI, MT, NT>(acc, AS, trow, r0, cnt, le, mt0, n_tiles16, WS2, bias, out, N, I, kind, alpha, limit);
+    pair_done();
   }
   if (!waited) grid_dependency_wait();   // no item here: still never complete ahead of the previous kernel
 }
@@ -1470,7 +1555,7 @@ __device__ __forceinline__ void moe_gemm_staged_impl(
       void* __restrict__ out, int N, int K, int I, int topk, int kind, float alpha, float limit) {          \
     moe_gemm_impl<WF, AQ, EPI, MT, NT, SK, false>(W, WS, WS2, A, AS, a_by_token, sorted_pair, offs, tile_expert, \
                                               tile_row, num_tiles, nullptr, nullptr, 0, 0, bias, out, N, K, I, \
-                                              topk, kind, alpha, limit);                                    \
+                                              topk, kind, alpha, limit, nullptr, nullptr, nullptr, nullptr); \
   }
 #define MOE_GEMM_INSTANCE(WF, AQ, EPI, MT, NT)                                                              \
   MOE_GEMM_KERNEL(moe_gemm_##WF##_##AQ##_##EPI##_##MT##_##NT, WF, AQ, EPI, MT, NT, 1)
@@ -1478,16 +1563,23 @@ __device__ __forceinline__ void moe_gemm_staged_impl(
 #define MOE_GEMM_INSTANCE_SPLIT(WF, AQ, EPI, MT, NT, SK)                                                    \
   MOE_GEMM_KERNEL(moe_gemm_##WF##_##AQ##_##EPI##_##MT##_##NT##_##SK, WF, AQ, EPI, MT, NT, SK)
 // pair tiles (calls without moe_align): the (1, 1) warp tile, named with its SK and `pairs`
+// CTAs an SM must hold (registers at most 65536 / (128 x that)): what each format's pair GEMMs held before the fused
+// combine, which ptxas would otherwise give the bf16 GEMM2 at a quarter fewer (144 registers: Q's one-token down GEMM,
+// 512 items, one wave at 4 CTAs an SM, 1.3 at 3)
+#define PAIRS_MIN_CTAS(WF, AQ) ((WF) == WF_BF16 || (AQ) == AQ_TOKEN ? 4 : 3)
 #define MOE_GEMM_INSTANCE_PAIRS(WF, AQ, EPI, SK)                                                            \
-  extern "C" __global__ void __launch_bounds__(THREADS) moe_gemm_##WF##_##AQ##_##EPI##_1_1_##SK##_pairs(    \
+  extern "C" __global__ void __launch_bounds__(THREADS, PAIRS_MIN_CTAS(WF, AQ))                            \
+      moe_gemm_##WF##_##AQ##_##EPI##_1_1_##SK##_pairs(                                                      \
       const u8* __restrict__ W, const u8* __restrict__ WS, const float* __restrict__ WS2,                   \
       const u8* A, const float* AS, int a_by_token,                                                         \
       const long long* ids, const int* __restrict__ local_map, int num_experts, int pairs,                  \
       const float* __restrict__ bias, void* __restrict__ out, int N, int K, int I, int topk, int kind,      \
-      float alpha, float limit) {                                                                           \
+      float alpha, float limit, const float* topk_w, const float* __restrict__ combine_bias,                \
+      u16* __restrict__ combined, unsigned int* __restrict__ counters) {                                    \
     moe_gemm_impl<WF, AQ, EPI, 1, 1, SK, true>(W, WS, WS2, A, AS, a_by_token, nullptr, nullptr, nullptr,    \
                                              nullptr, nullptr, ids, local_map, num_experts, pairs, bias,    \
-                                             out, N, K, I, topk, kind, alpha, limit);                       \
+                                             out, N, K, I, topk, kind, alpha, limit, topk_w, combine_bias,  \
+                                             combined, counters);                                           \
   }
 // staged decode GEMMs (W4A16, sorted path): the (1, NT) tile, KC chunks a stage, ST stages; 160 threads
 #define MOE_GEMM_INSTANCE_STAGED(WF, EPI, NT, KC, ST)                                                       \

@@ -195,9 +195,10 @@ def test_the_pairs_path_gives_the_sorted_paths_bits(cls, activation, tokens):
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("tokens", [1, 5])
 def test_a_top_k_beyond_one_combine_batch_sums_every_pair(tokens, bias):
-    """moe_combine takes a token's pairs 8 at a time (COMBINE_BATCH): a top-k of 11 is a full batch and a
-    partial one. With a dropped slot in each batch, on the pairs path (one token) and the sorted path, the
-    whole layer matches VANILLA, and two expert-parallel ranks (each skipping the other's pairs) sum to it."""
+    """moe_combine and the pair GEMM2's combine_tile take a token's pairs 8 at a time (COMBINE_BATCH): a top-k of
+    11 is a full batch and a partial one. With a dropped slot in each batch, on the pairs path (one token: the
+    combine in GEMM2) and the sorted path (moe_combine), the whole layer matches VANILLA, and two expert-parallel
+    ranks (each skipping the other's pairs) sum to it."""
     spec = MoeShape(320, 128, 16, 11, "swiglu_oai" if bias else "silu_glu", expert_bias=bias)
     tensors = make_expert_tensors(spec, "bf16", seed=71 + bias, weight_std=3.0 if bias else 1.0)
     ids, weights = random_routing(tokens, spec, seed=72 + tokens)
