@@ -578,11 +578,10 @@ extern "C" __global__ void __launch_bounds__(256) moe_combine(
 }
 
 // The pair GEMM2's fused combine (`combined` given: the call then launches no moe_combine). The warp that stored
-// m-tile mt of pair p into y (or skipped it: another rank's expert, a dropped slot) counts it on counters[t][mt];
-// the last of token t's topk pairs to arrive combines that m-tile's 16 channels. Fences and count as in the
-// router's last CTA (moe_route).
-// The count of a warp's m-tile mt of pair p: whether it was the last of token p / topk's pairs (then fenced to read the
-// others' rows, and the counter reset for the next launch or graph replay).
+// m-tile mt of pair p into y (or skipped it: another rank's expert, a dropped slot) counts it on counters[t][mt]
+// (t = p / topk); true for the last of token t's topk pairs, which then sees the others' rows (fenced as the
+// router's last CTA is, moe_route, here for one warp), combines that m-tile's 16 channels and resets the counter
+// for the next launch or graph replay.
 __device__ __forceinline__ bool last_pair_tile(unsigned int* __restrict__ counters, int p, int mt, int N, int topk) {
   unsigned int* counter = counters + (size_t)(p / topk) * (N / 16) + mt;
   asm volatile("fence.acq_rel.gpu;" ::: "memory");

@@ -6,9 +6,8 @@ Tolerances (fp32, VANILLA experts): relative L2 error of the logits <= 1e-5 over
 position the largest logit difference within 2e-5 of the largest logit, as the other families' parity tests. The
 decoded logits get 1e-4: a decode step runs each layer on one token where the full forward runs all 16 at once,
 so its matmuls and attention sum in fp32 in another order; over 800 fresh draws of token ids they differed from the
-full forward's by at most 6.1e-5 of the largest logit (2e-5 failed in 4 of them, and the test itself twice in
-about 140 runs). transformers' own cached decode drifts from its full forward alike (worst of 150 draws: 1.2e-5,
-ours 0.9e-5).
+full forward's by at most 6.1e-5 of the largest logit (2e-5 failed in 4 of them). transformers' own cached
+decode drifts from its full forward alike (worst of 150 draws: 1.2e-5, ours 0.9e-5).
 """
 from __future__ import annotations
 
