@@ -1121,7 +1121,10 @@ __device__ __forceinline__ void moe_gemm_impl(
   constexpr int BT = 8 * NT;
   constexpr int WW = WTraits<WF>::WORDS;
   constexpr int AW = ATraits<AQ>::WORDS;
-  constexpr int U = Unroll<WF, MT, NT>::V;
+  // The bf16 pair GEMM2 keeps one group of chunks in flight, not two: with the fused combine's state the two groups
+  // took it past its 128 registers (30-40 bytes spilled); with one it holds 90-100 registers and no spill, and the
+  // layer at one and two tokens ran 0.7 to 6 microseconds faster (BENCHMARKS.md, twenty-ninth session).
+  constexpr int U = (PT && EPI == EPI_DOWN && WF == WF_BF16) ? 1 : Unroll<WF, MT, NT>::V;
   constexpr bool FP8MMA = (AQ != AQ_NONE);
   constexpr int SB = ScaleBytes<WF>::V;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1563,8 +1566,8 @@ __device__ __forceinline__ void moe_gemm_staged_impl(
   MOE_GEMM_KERNEL(moe_gemm_##WF##_##AQ##_##EPI##_##MT##_##NT##_##SK, WF, AQ, EPI, MT, NT, SK)
 // pair tiles (calls without moe_align): the (1, 1) warp tile, named with its SK and `pairs`
 // CTAs an SM must hold (registers at most 65536 / (128 x that)): what each format's pair GEMMs held before the fused
-// combine, which ptxas would otherwise give the bf16 GEMM2 at a quarter fewer (144 registers: Q's one-token down GEMM,
-// 512 items, one wave at 4 CTAs an SM, 1.3 at 3)
+// combine. Fewer would cost the bf16 GEMM2 a wave (Q's one-token down GEMM: 512 items, one wave at 4 CTAs an SM, 1.3
+// at 3); its 128 registers are kept by one chunk group in flight (moe_gemm_impl's U).
 #define PAIRS_MIN_CTAS(WF, AQ) ((WF) == WF_BF16 || (AQ) == AQ_TOKEN ? 4 : 3)
 #define MOE_GEMM_INSTANCE_PAIRS(WF, AQ, EPI, SK)                                                            \
   extern "C" __global__ void __launch_bounds__(THREADS, PAIRS_MIN_CTAS(WF, AQ))                            \
