@@ -1567,7 +1567,7 @@ __device__ __forceinline__ void moe_gemm_staged_impl(
 // pair tiles (calls without moe_align): the (1, 1) warp tile, named with its SK and `pairs`
 // CTAs an SM must hold (registers at most 65536 / (128 x that)): what each format's pair GEMMs held before the fused
 // combine. Fewer would cost the bf16 GEMM2 a wave (Q's one-token down GEMM: 512 items, one wave at 4 CTAs an SM, 1.3
-// at 3); its 128 registers are kept by one chunk group in flight (moe_gemm_impl's U).
+// at 3); it stays within 128 registers by keeping one chunk group in flight (moe_gemm_impl's U).
 #define PAIRS_MIN_CTAS(WF, AQ) ((WF) == WF_BF16 || (AQ) == AQ_TOKEN ? 4 : 3)
 #define MOE_GEMM_INSTANCE_PAIRS(WF, AQ, EPI, SK)                                                            \
   extern "C" __global__ void __launch_bounds__(THREADS, PAIRS_MIN_CTAS(WF, AQ))                            \
