@@ -195,14 +195,11 @@ __device__ __forceinline__ float act_gated(int kind, float g, float u, float alp
 // ------------------------------------------------------------------------------------------------
 // routing: counting sort of (token, slot) pairs by local expert, and the GEMM tile list
 // ------------------------------------------------------------------------------------------------
-// Global expert id g through this rank's map, or -1: a dropped slot or another rank's expert.
-__device__ __forceinline__ int local_of(long long g, const int* __restrict__ local_map, int num_experts) {
-  return (g >= 0 && g < num_experts) ? local_map[g] : -1;
-}
-// Pair p's local expert.
+// Pair p's local expert: its global id through this rank's map, or -1 (a dropped slot or another rank's expert).
 __device__ __forceinline__ int local_expert(const long long* ids, const int* __restrict__ local_map,
                                             int num_experts, int p) {
-  return local_of(ids[p], local_map, num_experts);
+  const long long g = ids[p];
+  return (g >= 0 && g < num_experts) ? local_map[g] : -1;
 }
 
 // The sort's two passes over pairs first, first + blockDim.x, ... below `end` (first: p0 + the thread's
@@ -969,10 +966,13 @@ template <int AQ, int NT> __device__ __forceinline__ void load_a(const u8* const
 }
 
 // Chunks per load group (two groups are in flight): decode tiles keep 128-256 weight bytes per lane
-// in flight, which a bandwidth-bound GEMV needs; large tiles have no registers to spare.
-template <int WF, int MT, int NT> struct Unroll {
+// in flight, which a bandwidth-bound GEMV needs; large tiles have no registers to spare. The bf16 pair GEMM2
+// (PAIR_DOWN) keeps one chunk a group: with the fused combine's state two took it past its 128 registers
+// (14-30 bytes of spill stores); with one it holds 90-100 registers and no spill, and the layer at one and two
+// tokens ran 0.7 to 6 microseconds faster (BENCHMARKS.md, twenty-ninth session).
+template <int WF, int MT, int NT, bool PAIR_DOWN> struct Unroll {
   static constexpr int W = WTraits<WF>::LANE * 2 * MT;          // weight bytes per lane per chunk
-  static constexpr int V = (MT * NT >= 8) ? 1 : (MT * NT >= 2 ? 2 : (W >= 64 ? 2 : 4));
+  static constexpr int V = ((PAIR_DOWN && WF == WF_BF16) || MT * NT >= 8) ? 1 : (MT * NT >= 2 ? 2 : (W >= 64 ? 2 : 4));
 };
 
 // Block-scale bytes of one weight row per 64-chunk (FP4 formats: NVFP4 one E4M3 per 16 elements, MXFP4 one
@@ -1121,10 +1121,7 @@ __device__ __forceinline__ void moe_gemm_impl(
   constexpr int BT = 8 * NT;
   constexpr int WW = WTraits<WF>::WORDS;
   constexpr int AW = ATraits<AQ>::WORDS;
-  // The bf16 pair GEMM2 keeps one group of chunks in flight, not two: with the fused combine's state the two groups
-  // took it past its 128 registers (30-40 bytes spilled); with one it holds 90-100 registers and no spill, and the
-  // layer at one and two tokens ran 0.7 to 6 microseconds faster (BENCHMARKS.md, twenty-ninth session).
-  constexpr int U = (PT && EPI == EPI_DOWN && WF == WF_BF16) ? 1 : Unroll<WF, MT, NT>::V;
+  constexpr int U = Unroll<WF, MT, NT, PT && EPI == EPI_DOWN>::V;
   constexpr bool FP8MMA = (AQ != AQ_NONE);
   constexpr int SB = ScaleBytes<WF>::V;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1567,7 +1564,7 @@ __device__ __forceinline__ void moe_gemm_staged_impl(
 // pair tiles (calls without moe_align): the (1, 1) warp tile, named with its SK and `pairs`
 // CTAs an SM must hold (registers at most 65536 / (128 x that)): what each format's pair GEMMs held before the fused
 // combine. Fewer would cost the bf16 GEMM2 a wave (Q's one-token down GEMM: 512 items, one wave at 4 CTAs an SM, 1.3
-// at 3); it stays within 128 registers by keeping one chunk group in flight (moe_gemm_impl's U).
+// at 3); it stays within 128 registers with one chunk a load group (Unroll).
 #define PAIRS_MIN_CTAS(WF, AQ) ((WF) == WF_BF16 || (AQ) == AQ_TOKEN ? 4 : 3)
 #define MOE_GEMM_INSTANCE_PAIRS(WF, AQ, EPI, SK)                                                            \
   extern "C" __global__ void __launch_bounds__(THREADS, PAIRS_MIN_CTAS(WF, AQ))                            \
