@@ -5,7 +5,7 @@ Run on the GPU machine from the repo root: `python3 bench/moe_layer.py --out DIR
 
 Scope timed, for ours and every peer alike: router top-k (softmax, top-k, renormalize) and the routed
 experts, under a CUDA graph. Ours routes as a build does (the fused router kernel up to 64 tokens, torch's
-linear, softmax and top-k beyond), and is timed with torch's router too, the one the peers and the vLLM
+linear and the top-k kernel beyond), and is timed with torch's router too, the one the peers and the vLLM
 figures use; three weight copies (and three graphs) rotated so the L2
 holds none of them; the median over batches of 5 replays, at least 120 replays. Random data, never
 zeros; uniform routing (random logits) and skewed routing (a fixed Zipf-like bias giving the hottest
@@ -253,8 +253,8 @@ def skew_bias(experts, top_k, hidden, gen):
 
 class Router:
     """Softmax top-k routing with renormalisation, the skewed mode's bias added to the logits. Called, it is
-    torch's linear, softmax, top-k and division (the peers' router, and a build's above 64 tokens); `fused`
-    is what a build runs for decode batches instead: the router kernel (runtime/kernels/router.py)."""
+    torch's linear, softmax, top-k and division (the peers' router); `fused` is what a build runs instead
+    (runtime/kernels/router.py): the router kernel up to 64 tokens, torch's linear and the top-k kernel above."""
 
     def __init__(self, hidden, experts, top_k, bias):
         self.w = (torch.randn(experts, hidden, device="cuda") / math.sqrt(hidden)).bfloat16()
@@ -268,14 +268,16 @@ class Router:
         weights, ids = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)
         return ids, weights / weights.sum(dim=-1, keepdim=True)
 
-    def fused_applies(self, x):
-        return router_kernel.applies(x, self.w, self.top_k)
-
     def fused(self, x):
-        if not self.fused_applies(x):
+        if router_kernel.applies(x, self.w, self.top_k):
+            return router_kernel.route(x, self.w, self.top_k, router_kernel.SOFTMAX, logit_bias=self.bias,
+                                       round_logits=True, renormalize=True)
+        logits = x @ self.w.t()
+        if self.bias is not None:
+            logits = logits.float() + self.bias
+        if not router_kernel.topk_applies(logits, self.top_k):
             return self(x)
-        return router_kernel.route(x, self.w, self.top_k, router_kernel.SOFTMAX, logit_bias=self.bias,
-                                   round_logits=True, renormalize=True)
+        return router_kernel.topk(logits, self.top_k, router_kernel.SOFTMAX, renormalize=True)
 
 
 def fill_module(module, gen_seed):
@@ -695,12 +697,11 @@ def run(args):
                             except Exception as exc:   # noqa: BLE001
                                 result["errors"].append(f"peer fp8_rowwise {shape} T={t} {r}: {exc!r}"[:300])
                                 torch.cuda.synchronize()
-                        # --- ours: the router a build runs, and (where that is the kernel) torch's, as the peers ---
+                        # --- ours: the router a build runs, and torch's, as the peers ---
                         try:
                             with torch.no_grad():
                                 ours = time_graphs([(lambda m: lambda: m(x, *router.fused(x)))(m) for m in mods])
-                                ours_torch_router = (time_graphs([(lambda m: lambda: m(x, *router(x)))(m) for m in mods])
-                                                     if router.fused_applies(x) else ours)
+                                ours_torch_router = time_graphs([(lambda m: lambda: m(x, *router(x)))(m) for m in mods])
                                 replay_ok = replay_matches_eager(lambda: mods[0](x, *router.fused(x)))
                         except Exception as exc:   # noqa: BLE001
                             result["errors"].append(f"ours {shape} {fmt} T={t} {r}: {exc!r}"[:300])

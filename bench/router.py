@@ -1,4 +1,5 @@
-"""Router alone, torch's path vs the fused kernel, in CUDA-graph replays (device machine; not a test).
+"""Router alone, torch's path vs the router kernels (`moe_route` up to 64 tokens, torch's logits and `moe_topk`
+above), in CUDA-graph replays (device machine; not a test).
 
     python3 bench/router.py [--out DIR]
 """
@@ -54,15 +55,15 @@ def main() -> None:
         with torch.no_grad():
             for p in router.parameters():
                 p.normal_(0, 0.05)
-            for tokens in (1, 8, 64):
+            for tokens in (1, 8, 64, 256, 2048, 8192):
                 x = torch.randn(tokens, router.weight.shape[1], device="cuda", dtype=torch.bfloat16)
                 fused = graph_us(lambda: router(x))
-                saved = router_kernel.applies
-                router_kernel.applies = lambda *a, **k: False
+                saved = router_kernel.applies, router_kernel.topk_applies
+                router_kernel.applies = router_kernel.topk_applies = lambda *a, **k: False
                 try:
                     plain = graph_us(lambda: router(x))
                 finally:
-                    router_kernel.applies = saved
+                    router_kernel.applies, router_kernel.topk_applies = saved
                 rows.append({"shape": shape, "tokens": tokens, "torch_us": round(plain, 2), "kernel_us": round(fused, 2)})
                 print(rows[-1], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -23,7 +23,8 @@ from runtime.kernels import router as router_kernel
 
 def _fused(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, n_group: int = 1) -> bool:
     """A bf16 decode batch on a CUDA device goes through the fused router kernel (runtime/kernels/router.py):
-    one launch instead of a dozen; the same rule and numerics, shapes fixed per call (CUDA-graph safe)."""
+    one launch instead of a dozen; the same rule and numerics, shapes fixed per call (CUDA-graph safe). A larger
+    batch on a CUDA device computes its logits with torch and picks by the kernel's top-k stage (`topk`)."""
     return router_kernel.applies(hidden, weight, top_k, n_group)
 
 
@@ -116,6 +117,8 @@ class SoftmaxTopKRouter(nn.Module):
             logits = F.linear(hidden.float(), self.weight.float())
         else:
             logits = F.linear(hidden, self.weight.to(hidden.dtype))
+        if router_kernel.topk_applies(logits, self.top_k):
+            return router_kernel.topk(logits, self.top_k, router_kernel.SOFTMAX, renormalize=self.norm_topk_prob)
         return softmax_topk(logits, self.top_k, self.norm_topk_prob)
 
 
@@ -173,10 +176,12 @@ class SigmoidTopKRouter(nn.Module):
         self, hidden: torch.Tensor, correction_bias: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         bias = self.e_score_correction_bias if correction_bias is None else correction_bias
+        # the kernels mask left-out groups with -inf only
+        kernel_rule = self.topk_group >= self.n_group or self.group_mask_fill == float("-inf")
         if (
-            _fused(hidden, self.weight, self.top_k, self.n_group)
+            kernel_rule
+            and _fused(hidden, self.weight, self.top_k, self.n_group)
             and (self.fp32_gemm or self.weight.dtype == hidden.dtype)
-            and (self.topk_group >= self.n_group or self.group_mask_fill == float("-inf"))
         ):
             return router_kernel.route(
                 hidden, self.weight, self.top_k, router_kernel.SIGMOID, choice_bias=bias, round_logits=not self.fp32_gemm,
@@ -187,6 +192,11 @@ class SigmoidTopKRouter(nn.Module):
             logits = F.linear(hidden.float(), self.weight.float())
         else:
             logits = F.linear(hidden.to(self.weight.dtype), self.weight)
+        if kernel_rule and router_kernel.topk_applies(logits, self.top_k, self.n_group):
+            return router_kernel.topk(
+                logits, self.top_k, router_kernel.SIGMOID, choice_bias=bias, n_group=self.n_group,
+                topk_group=self.topk_group, renormalize=self.norm_topk_prob, scale=self.routed_scaling_factor,
+            )
         return sigmoid_grouped_topk(
             logits,
             bias,
@@ -218,4 +228,6 @@ class LinearTopKSoftmaxRouter(nn.Module):
                 hidden, self.weight, self.top_k, router_kernel.LOGITS, logit_bias=self.bias, round_logits=True
             )
         logits = F.linear(hidden, self.weight.to(hidden.dtype), self.bias.to(hidden.dtype))
+        if router_kernel.topk_applies(logits, self.top_k):
+            return router_kernel.topk(logits, self.top_k, router_kernel.LOGITS)
         return topk_softmax(logits, self.top_k)

@@ -234,7 +234,7 @@ def load(instances, device) -> Kernels:
             if staging is not None:   # its ring of stages, above the 48 KB a launch gets unasked
                 driver.allow_dynamic_shared(kernels.ptr(name), staged_smem(inst[0], inst[4], *staging))
         for helper in ("moe_align", "moe_align_count", "moe_align_scatter", "quant_fp8_rows", "gather_rows", "act_rows",
-                       "moe_combine", "moe_route"):
+                       "moe_combine", "moe_route", "moe_topk"):
             kernels.fn(helper)
     _MODULES[key] = kernels
     return kernels

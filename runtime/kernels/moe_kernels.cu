@@ -683,9 +683,14 @@ __device__ __forceinline__ void route_argmax(float& v, int& i) {
 #define ROUTE_EPB 4   // experts (warps) per CTA
 #define ROUTE_LOADS 8 // 16-byte loads of the weight row in flight per lane
 
-template <int NT>
+// A logit as route_topk reads it: written by another CTA of the launch or by an earlier kernel, so from L2, never a
+// stale L1 line. fp32 (moe_route's scratch, an fp32 GEMM's output) or bf16 (a bf16 GEMM's output, read as it is).
+__device__ __forceinline__ float load_logit(const float* p) { return __ldcg(p); }
+__device__ __forceinline__ float load_logit(const u16* p) { return bf16_to_f32(__ldcg(p)); }
+
+template <int NT, typename L>
 __device__ void route_topk(
-    const float* __restrict__ logits_in, const float* __restrict__ choice_bias, long long* __restrict__ ids,
+    const L* __restrict__ logits_in, const float* __restrict__ choice_bias, long long* __restrict__ ids,
     float* __restrict__ weights, int t, int E, int k, int mode, int n_group, int topk_group, int renormalize,
     float scale) {
   extern __shared__ float smem[];
@@ -698,8 +703,7 @@ __device__ void route_topk(
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warps = NT / 32;
   static_assert(NT >= ROUTE_MAX_GROUPS && ROUTE_MAX_K <= 32, "a thread per group; a lane per pick, a thread per candidate");
-  // The logits come from other CTAs of this launch: read them from L2, never a stale L1 line.
-  for (int e = tid; e < E; e += NT) logit[e] = __ldcg(logits_in + (size_t)t * E + e);
+  for (int e = tid; e < E; e += NT) logit[e] = load_logit(logits_in + (size_t)t * E + e);
   // A softmax renormalised over its picks is the LOGITS rule: the sum over every expert cancels, and exp
   // keeps the order. That skips the block-wide max and sum (five barriers).
   if (mode == ROUTE_SOFTMAX && renormalize) mode = ROUTE_LOGITS;
@@ -912,6 +916,24 @@ extern "C" __global__ void __launch_bounds__(ROUTE_EPB * 32) moe_route(
   asm volatile("fence.acq_rel.gpu;" ::: "memory");
   if (threadIdx.x == 0) counters[t] = 0u;
   route_topk<ROUTE_EPB * 32>(logits, choice_bias, ids, weights, t, E, k, mode, n_group, topk_group, renormalize, scale);
+}
+
+// The router of larger batches (runtime/kernels/router.py: topk): torch's GEMM gives the logits, whose weight reads
+// it shares across tokens, and this kernel takes the rest, one CTA a token, by moe_route's own top-k stage: one
+// launch where torch's rules take 6 (softmax) to ~15 (grouped sigmoid) small kernels.
+extern "C" __global__ void __launch_bounds__(ROUTE_EPB * 32) moe_topk(
+    const void* logits,                   // [T, E] bf16 (logits_bf16) or fp32
+    const float* __restrict__ choice_bias,// [E] or null
+    long long* __restrict__ ids,          // [T, k]
+    float* __restrict__ weights,          // [T, k]
+    int logits_bf16, int E, int k, int mode, int n_group, int topk_group, int renormalize, float scale) {
+  wait_then_release();
+  if (logits_bf16)
+    route_topk<ROUTE_EPB * 32>(static_cast<const u16*>(logits), choice_bias, ids, weights, blockIdx.x, E, k, mode,
+                               n_group, topk_group, renormalize, scale);
+  else
+    route_topk<ROUTE_EPB * 32>(static_cast<const float*>(logits), choice_bias, ids, weights, blockIdx.x, E, k, mode,
+                               n_group, topk_group, renormalize, scale);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
-"""The router kernel `moe_route`: a few tokens' logits, scores and top-k in one launch.
+"""The router kernels: `moe_route`, a few tokens' logits, scores and top-k in one launch; `moe_topk`, the scores and
+top-k of logits torch computed.
 
-Used by the router modules of `runtime/routing.py` for bf16 tokens on a CUDA device, up to
-`MAX_TOKENS` tokens (decode batches, where a dozen small torch kernels cost more than the router's
-bytes: one launch instead); larger batches keep torch's path, whose GEMM reuses the weight across tokens. Same rules and
-numerics as the torch functions: fp32 products and sums, logits rounded to bf16 where torch's bf16 GEMM
-rounds them, ties to the lower expert index.
+Used by the router modules of `runtime/routing.py` on a CUDA device. Up to `MAX_TOKENS` bf16 tokens (decode batches,
+where a dozen small torch kernels cost more than the router's bytes) take `route`: one launch. Larger batches keep
+torch's GEMM, which reuses the weight across tokens, and take `topk` for the rest: one launch where torch's rules
+take 6 to ~15. Same rules and numerics as the torch functions: fp32 products and sums, logits rounded to bf16 where
+torch's bf16 GEMM rounds them, ties to the lower expert index.
 """
 from __future__ import annotations
 
@@ -24,15 +25,27 @@ def _ptr(t: torch.Tensor | None) -> np.uint64:
     return np.uint64(0 if t is None else t.data_ptr())
 
 
+def _serves(device: torch.device, experts: int, top_k: int, n_group: int) -> bool:
+    """Whether the top-k stage both kernels share serves this rule, and the kernels load on `device`."""
+    if top_k > MAX_K or n_group > MAX_GROUPS or 8 * experts > MAX_SHARED_BYTES:
+        return False
+    return _kernels(device) is not None
+
+
 def applies(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, n_group: int = 1) -> bool:
-    """Whether the kernel serves this call (else the caller runs the torch path)."""
+    """Whether `route` serves this call (else the caller computes the logits with torch)."""
     if not (hidden.is_cuda and hidden.dtype == torch.bfloat16 and hidden.dim() == 2 and hidden.shape[0] <= MAX_TOKENS):
         return False
-    if weight.dtype not in (torch.bfloat16, torch.float32) or top_k > MAX_K or n_group > MAX_GROUPS:
+    if weight.dtype not in (torch.bfloat16, torch.float32):
         return False
-    if 8 * weight.shape[0] > MAX_SHARED_BYTES:
+    return _serves(hidden.device, weight.shape[0], top_k, n_group)
+
+
+def topk_applies(logits: torch.Tensor, top_k: int, n_group: int = 1) -> bool:
+    """Whether `topk` serves these logits (else the caller runs torch's rule on them)."""
+    if not (logits.is_cuda and logits.dtype in (torch.bfloat16, torch.float32) and logits.dim() == 2):
         return False
-    return _kernels(hidden.device) is not None
+    return _serves(logits.device, logits.shape[1], top_k, n_group)
 
 
 _LOADED: dict = {}
@@ -98,4 +111,34 @@ def route(
                  _ptr(_counters(hidden.device)), _ptr(ids), _ptr(weights), i32(hsize), i32(experts),
                  i32(weight.dtype == torch.float32), i32(round_logits), i32(top_k), i32(mode), i32(n_group),
                  i32(topk_group), i32(renormalize), f32(scale)), stream, shared_mem=8 * experts)
+    return ids, weights
+
+
+def topk(
+    logits: torch.Tensor,
+    top_k: int,
+    mode: int,
+    *,
+    choice_bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    renormalize: bool = True,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(ids int64 [T, k], weights fp32 [T, k])` of `logits [T, E]` (bf16 or fp32, as torch's GEMM gave them) by the
+    rule `mode`, as `route` picks and weighs its own logits."""
+    tokens, experts = logits.shape
+    logits = logits.contiguous()
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    if tokens == 0:
+        return ids, weights
+    cb = None if choice_bias is None else choice_bias.float().contiguous()
+    i32 = np.int32
+    stream = torch.cuda.current_stream(logits.device).cuda_stream
+    _kernels(logits.device).launch(
+        "moe_topk", (tokens,), (128,),
+        (_ptr(logits), _ptr(cb), _ptr(ids), _ptr(weights), i32(logits.dtype == torch.bfloat16), i32(experts),
+         i32(top_k), i32(mode), i32(n_group), i32(topk_group), i32(renormalize), np.float32(scale)),
+        stream, shared_mem=8 * experts)
     return ids, weights

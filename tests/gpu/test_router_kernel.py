@@ -1,5 +1,6 @@
-"""The fused router kernel picks the experts torch's router picks, with the same weights, and captures
-in a CUDA graph (runtime/kernels/router.py; issue 6: router top-k in kernels)."""
+"""The router kernels pick the experts torch's router picks, with the same weights, and capture in a CUDA graph
+(runtime/kernels/router.py; issue 6: router top-k in kernels): `moe_route` up to 64 tokens, torch's logits and
+`moe_topk` above."""
 from __future__ import annotations
 
 import pytest
@@ -54,12 +55,24 @@ def _router(name: str):
 
 
 def _torch_path(router, x):
-    saved = router_kernel.applies
-    router_kernel.applies = lambda *a, **k: False
+    saved = router_kernel.applies, router_kernel.topk_applies
+    router_kernel.applies = router_kernel.topk_applies = lambda *a, **k: False
     try:
         return router(x)
     finally:
-        router_kernel.applies = saved
+        router_kernel.applies, router_kernel.topk_applies = saved
+
+
+def _choice(router, x):
+    """[T, E] fp32: what each rule picks by (ungrouped), from the logits torch's path computes."""
+    w = router.weight
+    if isinstance(router, LinearTopKSoftmaxRouter):
+        return torch.nn.functional.linear(x, w, router.bias).float()
+    logits = torch.nn.functional.linear(x.float(), w.float()) if router.fp32_gemm else torch.nn.functional.linear(x, w)
+    if isinstance(router, SoftmaxTopKRouter):
+        return torch.softmax(logits.float(), dim=-1)
+    bias = router.e_score_correction_bias
+    return torch.sigmoid(logits.float()) + (0 if bias is None else bias.float())
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -86,9 +99,39 @@ def test_the_kernel_routes_as_torch_does(name, tokens):
     assert ids.dtype == torch.int64 and weights.dtype == torch.float32
 
 
-def test_the_kernel_path_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("tokens", [65, 300])
+def test_the_topk_kernel_routes_larger_batches_as_torch_does(name, tokens, monkeypatch):
+    """Above 64 tokens torch computes the logits and `moe_topk` picks and weighs: from the same logits, the same
+    experts but where the k-th and the next tie (then both picks score the same), and the same weights to fp32
+    rounding."""
+    router, hidden = _router(name)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    topk = router_kernel.topk
+    monkeypatch.setattr(router_kernel, "topk", lambda *a, **k: calls.append(a[0].shape) or topk(*a, **k))
+    with torch.no_grad():
+        ids, weights = router(x)
+        ref_ids, ref_weights = _torch_path(router, x)
+        choice = _choice(router, x)
+    assert calls == [(tokens, router.weight.shape[0])]
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32 and ids.shape == (tokens, router.top_k)
+    same = 0
+    for row in range(tokens):
+        if set(ids[row].tolist()) == set(ref_ids[row].tolist()):
+            same += 1
+            order, ref_order = ids[row].argsort(), ref_ids[row].argsort()
+            torch.testing.assert_close(weights[row][order], ref_weights[row][ref_order], rtol=1e-4, atol=1e-6)
+        else:   # a tie at the k-th pick: both sets score alike (fp32 sigmoid / exp may differ in the last bits)
+            torch.testing.assert_close(choice[row][ids[row]].sort().values, choice[row][ref_ids[row]].sort().values,
+                                       rtol=1e-5, atol=0)
+    assert same >= int(0.9 * tokens)
+
+
+@pytest.mark.parametrize("tokens", [8, 300])
+def test_the_kernel_path_replays_in_a_cuda_graph(tokens):
     router, hidden = _router("deepseek_grouped")
-    x = torch.randn(8, hidden, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         router(x)  # compile and warm up outside the capture
         graph = torch.cuda.CUDAGraph()
@@ -118,10 +161,11 @@ def test_the_one_launch_kernel_leaves_its_counters_at_zero_and_repeats_itself(to
     assert int(router_kernel._COUNTERS[x.device].abs().sum()) == 0
 
 
+@pytest.mark.parametrize("tokens", [16, 100])
 @pytest.mark.parametrize("name", ["qwen3_softmax", "minimax_bf16_gemm", "qwen3_next_softmax"])
-def test_tied_experts_are_picked_lower_index_first(name):
+def test_tied_experts_are_picked_lower_index_first(name, tokens):
     """Expert i + E/2 gets expert i's weight row, so their logits tie exactly, and the two sit in different
-    warps' shares of the kernel's two-level top-k. Ties pick the lower index first: the picks run in
+    warps' shares of the kernels' two-level top-k (`moe_route` at 16 tokens, `moe_topk` at 100). Ties pick the lower index first: the picks run in
     non-increasing weight, equal weights in increasing index, and each upper expert picked comes after its
     lower twin with the same weight. (Rounded bf16 logits also tie between unrelated experts, so the twins
     need not be adjacent.)"""
@@ -132,7 +176,7 @@ def test_tied_experts_are_picked_lower_index_first(name):
         bias = getattr(router, "e_score_correction_bias", None)
         if bias is not None:   # a choice bias picks in another order than the weights': none here
             bias.zero_()
-    x = torch.randn(16, hidden, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         ids, weights = router(x)
     uppers = 0
