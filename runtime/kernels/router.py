@@ -56,6 +56,17 @@ _LOADED: dict = {}
 _COUNTERS: dict = {}
 
 
+def _picks(tokens: int, top_k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """What both kernels write: ids int64 [T, k] and weights fp32 [T, k]."""
+    return (torch.empty(tokens, top_k, dtype=torch.int64, device=device),
+            torch.empty(tokens, top_k, dtype=torch.float32, device=device))
+
+
+def _fp32(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A per-expert bias as the kernels read it: fp32, contiguous."""
+    return None if bias is None else bias.float().contiguous()
+
+
 def _counters(device: torch.device) -> torch.Tensor:
     counters = _COUNTERS.get(device)
     if counters is None:
@@ -96,12 +107,10 @@ def route(
     tokens, hsize = hidden.shape
     experts = weight.shape[0]
     hidden = hidden.contiguous()
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=hidden.device)
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=hidden.device)
+    ids, weights = _picks(tokens, top_k, hidden.device)
     if tokens == 0:
         return ids, weights
-    lb = None if logit_bias is None else logit_bias.float().contiguous()
-    cb = None if choice_bias is None else choice_bias.float().contiguous()
+    lb, cb = _fp32(logit_bias), _fp32(choice_bias)
     logits = torch.empty(tokens, experts, dtype=torch.float32, device=hidden.device)
     i32, f32 = np.int32, np.float32
     kern = _kernels(hidden.device)
@@ -129,11 +138,10 @@ def topk(
     rule `mode`, as `route` picks and weighs its own logits."""
     tokens, experts = logits.shape
     logits = logits.contiguous()
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=logits.device)
+    ids, weights = _picks(tokens, top_k, logits.device)
     if tokens == 0:
         return ids, weights
-    cb = None if choice_bias is None else choice_bias.float().contiguous()
+    cb = _fp32(choice_bias)   # held past the launch
     i32 = np.int32
     stream = torch.cuda.current_stream(logits.device).cuda_stream
     _kernels(logits.device).launch(

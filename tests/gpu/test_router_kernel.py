@@ -165,10 +165,10 @@ def test_the_one_launch_kernel_leaves_its_counters_at_zero_and_repeats_itself(to
 @pytest.mark.parametrize("name", ["qwen3_softmax", "minimax_bf16_gemm", "qwen3_next_softmax"])
 def test_tied_experts_are_picked_lower_index_first(name, tokens):
     """Expert i + E/2 gets expert i's weight row, so their logits tie exactly, and the two sit in different
-    warps' shares of the kernels' two-level top-k (`moe_route` at 16 tokens, `moe_topk` at 100). Ties pick the lower index first: the picks run in
-    non-increasing weight, equal weights in increasing index, and each upper expert picked comes after its
-    lower twin with the same weight. (Rounded bf16 logits also tie between unrelated experts, so the twins
-    need not be adjacent.)"""
+    warps' shares of the kernels' two-level top-k (`moe_route` at 16 tokens, `moe_topk` at 100). Ties pick the
+    lower index first: the picks run in non-increasing weight, equal weights in increasing index, and each upper
+    expert picked comes after its lower twin with the same weight. (Rounded bf16 logits also tie between unrelated
+    experts, so the twins need not be adjacent.)"""
     router, hidden = _router(name)
     half = router.weight.shape[0] // 2
     with torch.no_grad():
