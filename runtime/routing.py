@@ -11,7 +11,9 @@ experts and written once per scoring rule. Three rules cover the supported famil
 
 The functions take logits (pure tensor maths, CUDA-graph safe: no host syncs, no branching on values);
 the modules own the router weights under the checkpoint's names (`weight`, `e_score_correction_bias`,
-`bias`) and compute the logits with the precision each family's reference uses.
+`bias`) and compute the logits with the precision each family's reference uses. On CUDA they route through the
+router kernels (runtime/kernels/router.py): `route` for bf16 decode batches (logits included), `topk` on torch's
+logits for larger batches.
 """
 from __future__ import annotations
 
@@ -23,8 +25,7 @@ from runtime.kernels import router as router_kernel
 
 def _fused(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, n_group: int = 1) -> bool:
     """A bf16 decode batch on a CUDA device goes through the fused router kernel (runtime/kernels/router.py):
-    one launch instead of a dozen; the same rule and numerics, shapes fixed per call (CUDA-graph safe). A larger
-    batch on a CUDA device computes its logits with torch and picks by the kernel's top-k stage (`topk`)."""
+    one launch instead of a dozen; the same rule and numerics, shapes fixed per call (CUDA-graph safe)."""
     return router_kernel.applies(hidden, weight, top_k, n_group)
 
 

@@ -63,16 +63,15 @@ def _torch_path(router, x):
         router_kernel.applies, router_kernel.topk_applies = saved
 
 
-def _choice(router, x):
-    """[T, E] fp32: what each rule picks by (ungrouped), from the logits torch's path computes."""
-    w = router.weight
+def _choice(router, logits):
+    """[T, E] fp32: what the router's rule picks by (ungrouped), from its logits."""
+    logits = logits.float()
     if isinstance(router, LinearTopKSoftmaxRouter):
-        return torch.nn.functional.linear(x, w, router.bias).float()
-    logits = torch.nn.functional.linear(x.float(), w.float()) if router.fp32_gemm else torch.nn.functional.linear(x, w)
+        return logits
     if isinstance(router, SoftmaxTopKRouter):
-        return torch.softmax(logits.float(), dim=-1)
+        return torch.softmax(logits, dim=-1)
     bias = router.e_score_correction_bias
-    return torch.sigmoid(logits.float()) + (0 if bias is None else bias.float())
+    return torch.sigmoid(logits) + (0 if bias is None else bias.float())
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -107,14 +106,14 @@ def test_the_topk_kernel_routes_larger_batches_as_torch_does(name, tokens, monke
     rounding."""
     router, hidden = _router(name)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    calls = []
+    logits = []   # what the router passed to the kernel
     topk = router_kernel.topk
-    monkeypatch.setattr(router_kernel, "topk", lambda *a, **k: calls.append(a[0].shape) or topk(*a, **k))
+    monkeypatch.setattr(router_kernel, "topk", lambda *a, **k: logits.append(a[0]) or topk(*a, **k))
     with torch.no_grad():
         ids, weights = router(x)
         ref_ids, ref_weights = _torch_path(router, x)
-        choice = _choice(router, x)
-    assert calls == [(tokens, router.weight.shape[0])]
+    assert [t.shape for t in logits] == [(tokens, router.weight.shape[0])]
+    choice = _choice(router, logits[0])
     assert ids.dtype == torch.int64 and weights.dtype == torch.float32 and ids.shape == (tokens, router.top_k)
     same = 0
     for row in range(tokens):
