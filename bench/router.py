@@ -1,5 +1,6 @@
 """Router alone, torch's path vs the router kernels (`moe_route` up to 64 tokens, torch's logits and `moe_topk`
-above), in CUDA-graph replays (device machine; not a test).
+above), in CUDA-graph replays (device machine; not a test). For routers with fp32 logits (D), `cast_us` is the
+kernels' path with the logits computed by casting both operands to fp32 first, as before `routing.fp32_logits`.
 
     python3 bench/router.py [--out DIR]
 """
@@ -15,6 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+import torch.nn.functional as F  # noqa: E402
+
+from runtime import routing  # noqa: E402
 from runtime.kernels import router as router_kernel  # noqa: E402
 from runtime.routing import LinearTopKSoftmaxRouter, SigmoidTopKRouter, SoftmaxTopKRouter  # noqa: E402
 
@@ -65,6 +69,13 @@ def main() -> None:
                 finally:
                     router_kernel.applies, router_kernel.topk_applies = saved
                 rows.append({"shape": shape, "tokens": tokens, "torch_us": round(plain, 2), "kernel_us": round(fused, 2)})
+                if getattr(router, "fp32_gemm", False):
+                    saved = routing.fp32_logits
+                    routing.fp32_logits = lambda h, w: F.linear(h.float(), w.float())
+                    try:
+                        rows[-1]["cast_us"] = round(graph_us(lambda: router(x)), 2)
+                    finally:
+                        routing.fp32_logits = saved
                 print(rows[-1], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "router.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=2))

@@ -11,9 +11,9 @@ experts and written once per scoring rule. Three rules cover the supported famil
 
 The functions take logits (pure tensor maths, CUDA-graph safe: no host syncs, no branching on values);
 the modules own the router weights under the checkpoint's names (`weight`, `e_score_correction_bias`,
-`bias`) and compute the logits with the precision each family's reference uses. On CUDA they route through the
-router kernels (runtime/kernels/router.py): `route` for bf16 decode batches (logits included), `topk` on torch's
-logits for larger batches.
+`bias`) and compute the logits with the precision each family's reference uses (`fp32_logits` where that is
+fp32). On CUDA they route through the router kernels (runtime/kernels/router.py): `route` for bf16 decode
+batches (logits included), `topk` on torch's logits for larger batches.
 """
 from __future__ import annotations
 
@@ -27,6 +27,17 @@ def _fused(hidden: torch.Tensor, weight: torch.Tensor, top_k: int, n_group: int 
     """A bf16 decode batch on a CUDA device goes through the fused router kernel (runtime/kernels/router.py):
     one launch instead of a dozen; the same rule and numerics, shapes fixed per call (CUDA-graph safe)."""
     return router_kernel.applies(hidden, weight, top_k, n_group)
+
+
+def fp32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`hidden @ weight.T` with fp32 products and sums, as the references of the fp32-GEMM routers compute it.
+
+    bf16 operands on CUDA take one bf16 GEMM that writes fp32: a product of two bf16 values is exact in fp32,
+    so only the order of the fp32 sums differs from casting both operands first, which writes an fp32 copy of
+    `hidden` and runs the GEMM off the tensor cores (torch leaves TF32 off). Everywhere else both are cast."""
+    if hidden.is_cuda and hidden.dim() == 2 and hidden.dtype == weight.dtype == torch.bfloat16:
+        return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+    return F.linear(hidden.float(), weight.float())
 
 
 # transformers adds this to the normaliser of the sigmoid routers; the DeepSeek reference adds nothing.
@@ -115,7 +126,7 @@ class SoftmaxTopKRouter(nn.Module):
                 renormalize=self.norm_topk_prob,
             )
         if self.fp32_gemm:
-            logits = F.linear(hidden.float(), self.weight.float())
+            logits = fp32_logits(hidden, self.weight)
         else:
             logits = F.linear(hidden, self.weight.to(hidden.dtype))
         if router_kernel.topk_applies(logits, self.top_k):
@@ -190,7 +201,7 @@ class SigmoidTopKRouter(nn.Module):
                 scale=self.routed_scaling_factor,
             )
         if self.fp32_gemm:
-            logits = F.linear(hidden.float(), self.weight.float())
+            logits = fp32_logits(hidden, self.weight)
         else:
             logits = F.linear(hidden.to(self.weight.dtype), self.weight)
         if kernel_rule and router_kernel.topk_applies(logits, self.top_k, self.n_group):

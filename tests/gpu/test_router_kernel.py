@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from runtime import routing
 from runtime.kernels import router as router_kernel
 from runtime.routing import LinearTopKSoftmaxRouter, SigmoidTopKRouter, SoftmaxTopKRouter
 
@@ -190,3 +192,43 @@ def test_tied_experts_are_picked_lower_index_first(name, tokens):
                 twin = row_ids.index(e - half)   # raises if the lower twin was not picked
                 assert twin < r and row_weights[twin] == row_weights[r], (row_ids, row_weights)
     assert uppers >= 16   # the twins do get picked: the test sees the cross-share ties
+
+
+def _sum_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per logit, 2^-17 of the sum of |products|. fp32 sums of exact products stay far inside it: their error
+    follows the partial sums, ~sqrt(K) smaller than that sum (offline, on the CPU at these shapes: 2.6e-8 of it for
+    MKL, 8.0e-8 for a sequential sum of 16-product chunks, against 7.6e-6). Logits rounded to bf16 do not: a bf16
+    rounding of a logit came to up to 2.8e-4 of that sum here, and 64 % of the logits landed outside."""
+    return 2.0 ** -17 * (x.double().abs() @ w.double().abs().t())
+
+
+@pytest.mark.parametrize("tokens", [65, 2048])
+def test_bf16_operands_give_fp32_logits_in_one_gemm(tokens):
+    """`fp32_logits` of bf16 operands on CUDA (one bf16 GEMM writing fp32) is within fp32 summation error of the
+    float64 product, as casting both operands first is; the bound would catch logits rounded to bf16."""
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, 7168, generator=gen, device="cuda").bfloat16()
+    w = (torch.randn(256, 7168, generator=gen, device="cuda") * 0.05).bfloat16()
+    exact = x.double() @ w.double().t()
+    bound = _sum_bound(x, w)
+    got = routing.fp32_logits(x, w)
+    assert got.dtype == torch.float32 and got.shape == (tokens, 256)
+    assert ((got.double() - exact).abs() <= bound).all()
+    assert ((F.linear(x.float(), w.float()).double() - exact).abs() <= bound).all()   # the cast path: same bound
+    assert not ((got.bfloat16().double() - exact).abs() <= bound).all()
+
+
+def test_the_deepseek_router_hands_moe_topk_the_one_gemm_logits(monkeypatch):
+    """Above 64 tokens the DeepSeek router (bf16 weight, fp32 logits) computes its logits with `fp32_logits`'s
+    one bf16 GEMM, bit for bit what `moe_topk` is handed, and within fp32 summation error of the exact product."""
+    router, hidden = _router("deepseek_grouped")
+    x = torch.randn(300, hidden, device="cuda", dtype=torch.bfloat16)
+    logits = []
+    topk = router_kernel.topk
+    monkeypatch.setattr(router_kernel, "topk", lambda *a, **k: logits.append(a[0]) or topk(*a, **k))
+    with torch.no_grad():
+        router(x)
+    assert router.weight.dtype == torch.bfloat16 and len(logits) == 1
+    assert torch.equal(logits[0], torch.mm(x, router.weight.t(), out_dtype=torch.float32))
+    exact = x.double() @ router.weight.double().t()
+    assert ((logits[0].double() - exact).abs() <= _sum_bound(x, router.weight)).all()
