@@ -1,6 +1,8 @@
 """Capturing a decode phase as a CUDA graph: one warm-up outside the capture, with the state it advances restored, then the capture."""
 from __future__ import annotations
 
+import contextlib
+import gc
 import weakref
 from typing import Callable, Sequence
 
@@ -32,9 +34,25 @@ def capture(step: Callable[[], object], state: Sequence[torch.Tensor] = (),
     graph = torch.cuda.CUDAGraph()
     if generator is not None:
         graph.register_generator_state(generator)
-    with torch.cuda.graph(graph):
+    with collector_paused(), torch.cuda.graph(graph):
         out = step()
     return graph, out
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off inside, as it was after. A capture runs inside: torch collects before
+    one only under TORCH_CUDAGRAPH_GC (off by default), and a dead reference cycle holding an older CUDA graph,
+    collected mid-capture, destroys that graph, which CUDA refuses while a stream captures; the capture then fails
+    ("operation not permitted when stream is capturing (function reset)", then "operation failed due to a previous
+    error during capture"). The garbage is collected after."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def kernel_counters(size: int, device: torch.device, owner: str) -> torch.Tensor:

@@ -1,0 +1,45 @@
+"""A capture survives Python's cyclic collector: an older CUDA graph that a dead reference cycle holds is not
+destroyed in the middle of the next capture (runtime/graphs.py: `capture` pauses the collector), which CUDA
+refuses while a stream captures. Seen in tests/gpu when the speculative tests ran after the router tests in one
+process: "operation not permitted when stream is capturing (function reset)", then the capture failed."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from runtime.graphs import capture
+
+pytestmark = pytest.mark.gpu
+
+
+def test_a_graph_left_in_a_dead_cycle_during_a_capture_waits_for_the_collector():
+    x = torch.randn(256, device="cuda")
+    held = [capture(lambda: x * 2)[0]]
+
+    def step():
+        if torch.cuda.is_current_stream_capturing() and held:
+            cycle = {"graph": held.pop()}
+            cycle["self"] = cycle   # the older graph's last reference, in a dead cycle now
+            del cycle
+            [[] for _ in range(1000)]   # allocations past the thresholds: the collector runs here unless paused
+        return x + 1
+
+    threshold = gc.get_threshold()
+    # the process's older objects out of the collector's view (and out of its count of long-lived objects, which
+    # else holds off full collections for ~1/4 of them), so full collections come within those allocations
+    gc.freeze()
+    gc.collect()
+    gc.set_threshold(1, 1, 1)
+    try:
+        graph, out = capture(step)
+    finally:
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
+    assert not held
+    gc.collect()   # the older graph goes now, outside any capture
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, x + 1)
