@@ -15,7 +15,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-
 import torch.nn.functional as F  # noqa: E402
 
 from runtime import routing  # noqa: E402
