@@ -12,6 +12,7 @@ every `EOS_CHECK_EVERY` tokens to stop early.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,18 @@ LENGTH_BUCKET = 256
 EOS_CHECK_EVERY = 16
 
 
+def owner(ref: weakref.ref, what: str):
+    """The model a decoder belongs to, from the weak reference the decoder keeps (the model owns its decoders:
+    a strong reference back would make a cycle, and a model its caller drops, weights, caches and graph memory
+    included, would wait for the cyclic collector). Refused once that model is freed: a captured graph would
+    read memory the model no longer holds."""
+    model = ref()
+    if model is None:
+        raise RuntimeError(f"the model of this {what} was freed: keep a reference to the model while you use its "
+                           "decoders")
+    return model
+
+
 def batch_bucket(batch_size: int) -> int:
     return 1 << max(0, batch_size - 1).bit_length()
 
@@ -38,13 +51,18 @@ class Decoder:
     """Static caches for `batch_size` rows and `max_seq_len` positions, a prefill, and a replayable step."""
 
     def __init__(self, model: "CausalLM", batch_size: int, max_seq_len: int) -> None:
-        self.model, self.batch_size, self.max_seq_len = model, batch_size, max_seq_len
+        self._model = weakref.ref(model)
+        self.batch_size, self.max_seq_len = batch_size, max_seq_len
         device = model.device
         self.caches = model.new_caches(batch_size, max_seq_len)
         self.ids = torch.zeros(batch_size, 1, dtype=torch.int64, device=device)
         self.position = torch.zeros(1, dtype=torch.int64, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
+
+    @property
+    def model(self) -> "CausalLM":
+        return owner(self._model, "decoder")
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -67,6 +85,7 @@ class Decoder:
 
         On CUDA the returned tensor is the graph's output buffer: read it before the next step.
         """
+        owner(self._model, "decoder")   # the step, and its graph, read the model's weights
         self.ids.copy_(ids.view(self.batch_size, 1))
         if self.ids.device.type != "cuda":
             return self._step()

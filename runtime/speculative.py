@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from runtime.acceptance import accept_sampled, draw, near_ties, nucleus
-from runtime.decoding import Generation, batch_bucket, length_bucket, sync
+from runtime.decoding import Generation, batch_bucket, length_bucket, owner, sync
 from runtime.drafts import ExternalDrafter, draft_input, vocab_size
 from runtime.experts.base import ExpertsBase
 from runtime.graphs import advanced_in_place, capture
@@ -97,7 +98,7 @@ class SpeculativeDecoder:
                  top_p: float = 1.0) -> None:
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"the draft proposes at least 1 token per round (--draft-tokens), got {k!r}")
-        self.target, self.draft, self.k = target, draft, k
+        self._target, self.draft, self.k = weakref.ref(target), draft, k   # the target owns this decoder
         self.input = draft_input(draft)
         self.aux_layers = tuple(getattr(draft, "AUX_LAYERS", ())) if self.input == "aux_hidden" else ()
         self.to_target = getattr(draft, "to_target_ids", None)
@@ -130,6 +131,10 @@ class SpeculativeDecoder:
         self.generator = torch.Generator(device=device) if temperature > 0 else None
         self.draft_probs = None                                   # [B, k, V_target]
         self.vocab_map = None                                     # draft id -> target id, for the probabilities
+
+    @property
+    def target(self):
+        return owner(self._target, "speculative decoder")
 
     def _target_forward(self, ids, positions, last: bool = False):
         """Logits (of the last position only with `last`) and what the draft reads (final-norm hidden states,
@@ -238,6 +243,7 @@ class SpeculativeDecoder:
         self.pos.add_(kept + 1)
 
     def _run(self, name: str, phase) -> None:
+        owner(self._target, "speculative decoder")   # the phases, and their graphs, read the target's weights
         if self.tokens.device.type != "cuda":
             phase()
             return

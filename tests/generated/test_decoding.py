@@ -13,7 +13,9 @@ far below the gaps between the top logits that greedy decoding compares.
 
 from __future__ import annotations
 
+import gc
 import re
+import weakref
 
 import pytest
 import torch
@@ -171,3 +173,26 @@ def test_parallel_layouts_generate_the_single_rank_ids(capsys):
         outputs[parallel] = [line.split(": ", 1)[1] for line in out.splitlines() if " generated: " in line]
     assert len(outputs["tp1"]) == 2
     assert outputs["tp2"] == outputs["tp1"] and outputs["dep2"] == outputs["tp1"]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_TARGETS))
+def test_a_model_its_caller_drops_is_freed_at_once_and_its_decoder_refuses_to_run(family):
+    """The model owns its decoders and they hold it weakly: a model dropped after decoding goes with its last
+    reference (weights, caches and, on CUDA, graph memory), with the cyclic collector off, not at its next full
+    pass. A decoder kept past its model refuses to run."""
+    model = _model(FAMILY_TARGETS[family])
+    ids = builds.token_ids(model.lm_head.weight.shape[0], batch=1, length=4)
+    model.generate(ids, 3)
+    decoder = model.decoder(1, 4)
+    alive = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert alive() is None
+    finally:
+        gc.enable()
+    message = "^the model of this decoder was freed: keep a reference to the model while you use its decoders$"
+    with pytest.raises(RuntimeError, match=message):
+        decoder.step(ids[:, 0])
+    with pytest.raises(RuntimeError, match=message):
+        decoder.prefill(ids)

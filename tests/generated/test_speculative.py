@@ -11,8 +11,10 @@ checkpoint with a random MTP layer).
 """
 from __future__ import annotations
 
+import gc
 import math
 import re
+import weakref
 
 import pytest
 import torch
@@ -431,3 +433,32 @@ def test_hidden_states_gives_the_outputs_of_the_listed_layers_for_eagle3():
     assert torch.equal(final, target.hidden_states(ids))
     assert torch.equal(target.model.norm(aux[..., width:]), final)
     assert builds.rel_err(aux[..., :width], expected) < 1e-5
+
+
+def test_a_target_its_caller_drops_is_freed_at_once_with_its_drafts_and_speculative_decoders():
+    """The target owns its speculative decoders and they hold it weakly: after speculative decoding with its MTP
+    draft and with an external drafter, the target and its draft go with the last reference, with the cyclic
+    collector off. A speculative decoder kept past its target refuses to run."""
+    from generated import load_model
+
+    target = load_model("tiny_deepseek_v3", 90, checkpoint=str(builds.mtp_checkpoint("tiny_deepseek_v3")),
+                        checkpoint_name="tiny_deepseek_v3_bf16", speculative_config={"mode": "mtp"},
+                        dtype=torch.float32, mode="require").eval()
+    drafter = builds.random_build("tiny_qwen3_moe", seed=5)
+    prompt = builds.token_ids(speculative.vocab_size(target), batch=1, length=4)
+    target.generate(prompt, 4, speculative=2)   # target.draft, the MTP draft build
+    external = ExternalDrafter(drafter, target)
+    target.generate(prompt, 4, speculative=Speculation(2, external))
+    decoder = speculative.speculative_decoder(target, external, 2, 1, 4 + 4)
+    alive, draft = weakref.ref(target), weakref.ref(target.draft)
+    gc.disable()
+    try:
+        del target
+        assert alive() is None and draft() is None
+    finally:
+        gc.enable()
+    message = "^the model of this speculative decoder was freed: keep a reference to the model while you use its decoders$"
+    with pytest.raises(RuntimeError, match=message):
+        decoder.prefill(prompt)
+    with pytest.raises(RuntimeError, match=message):
+        decoder.round()
