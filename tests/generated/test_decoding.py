@@ -13,7 +13,6 @@ far below the gaps between the top logits that greedy decoding compares.
 
 from __future__ import annotations
 
-import gc
 import re
 import weakref
 
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 from runtime import decoding
+from runtime.graphs import collector_paused
 from tests.generated import builds
 
 # fp32 decode against the full forward (see the module docstring for what is left)
@@ -185,12 +185,9 @@ def test_a_model_its_caller_drops_is_freed_at_once_and_its_decoder_refuses_to_ru
     model.generate(ids, 3)
     decoder = model.decoder(1, 4)
     alive = weakref.ref(model)
-    gc.disable()
-    try:
+    with collector_paused():
         del model
         assert alive() is None
-    finally:
-        gc.enable()
     message = "^the model of this decoder was freed: keep a reference to the model while you use its decoders$"
     with pytest.raises(RuntimeError, match=message):
         decoder.step(ids[:, 0])

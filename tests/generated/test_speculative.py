@@ -11,7 +11,6 @@ checkpoint with a random MTP layer).
 """
 from __future__ import annotations
 
-import gc
 import math
 import re
 import weakref
@@ -22,6 +21,7 @@ import torch
 from runtime import speculative
 from runtime.ops import LMHead, VocabEmbedding
 from runtime.speculative import ExternalDrafter, Speculation
+from runtime.graphs import collector_paused
 from tests.generated import builds
 
 NEW = 32
@@ -451,12 +451,9 @@ def test_a_target_its_caller_drops_is_freed_at_once_with_its_drafts_and_speculat
     target.generate(prompt, 4, speculative=Speculation(2, external))
     decoder = speculative.speculative_decoder(target, external, 2, 1, 4 + 4)
     alive, draft = weakref.ref(target), weakref.ref(target.draft)
-    gc.disable()
-    try:
+    with collector_paused():
         del target
         assert alive() is None and draft() is None
-    finally:
-        gc.enable()
     message = "^the model of this speculative decoder was freed: keep a reference to the model while you use its decoders$"
     with pytest.raises(RuntimeError, match=message):
         decoder.prefill(prompt)

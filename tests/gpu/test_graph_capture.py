@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from runtime.graphs import capture
+from tests.runtime.helpers_gc import eager_collector
 
 pytestmark = pytest.mark.gpu
 
@@ -26,17 +27,8 @@ def test_a_graph_left_in_a_dead_cycle_during_a_capture_waits_for_the_collector()
             [[] for _ in range(1000)]   # allocations past the thresholds: the collector runs here unless paused
         return x + 1
 
-    threshold = gc.get_threshold()
-    # the process's older objects out of the collector's view (and out of its count of long-lived objects, which
-    # else holds off full collections for ~1/4 of them), so full collections come within those allocations
-    gc.freeze()
-    gc.collect()
-    gc.set_threshold(1, 1, 1)
-    try:
+    with eager_collector():
         graph, out = capture(step)
-    finally:
-        gc.set_threshold(*threshold)
-        gc.unfreeze()
     assert not held
     gc.collect()   # the older graph goes now, outside any capture
     x.copy_(torch.randn_like(x))

@@ -65,6 +65,14 @@ def _torch_path(router, x):
         router_kernel.applies, router_kernel.topk_applies = saved
 
 
+def _handed_to_topk(monkeypatch) -> list:
+    """The logits each call of `router_kernel.topk` is handed from now on (the kernel still runs)."""
+    logits = []
+    topk = router_kernel.topk
+    monkeypatch.setattr(router_kernel, "topk", lambda *a, **k: logits.append(a[0]) or topk(*a, **k))
+    return logits
+
+
 def _choice(router, logits):
     """[T, E] fp32: what the router's rule picks by (ungrouped), from its logits."""
     logits = logits.float()
@@ -108,9 +116,7 @@ def test_the_topk_kernel_routes_larger_batches_as_torch_does(name, tokens, monke
     rounding."""
     router, hidden = _router(name)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    logits = []   # what the router passed to the kernel
-    topk = router_kernel.topk
-    monkeypatch.setattr(router_kernel, "topk", lambda *a, **k: logits.append(a[0]) or topk(*a, **k))
+    logits = _handed_to_topk(monkeypatch)
     with torch.no_grad():
         ids, weights = router(x)
         ref_ids, ref_weights = _torch_path(router, x)
@@ -223,9 +229,7 @@ def test_the_deepseek_router_hands_moe_topk_the_one_gemm_logits(monkeypatch):
     one bf16 GEMM, bit for bit what `moe_topk` is handed, and within fp32 summation error of the exact product."""
     router, hidden = _router("deepseek_grouped")
     x = torch.randn(300, hidden, device="cuda", dtype=torch.bfloat16)
-    logits = []
-    topk = router_kernel.topk
-    monkeypatch.setattr(router_kernel, "topk", lambda *a, **k: logits.append(a[0]) or topk(*a, **k))
+    logits = _handed_to_topk(monkeypatch)
     with torch.no_grad():
         router(x)
     assert router.weight.dtype == torch.bfloat16 and len(logits) == 1

@@ -9,6 +9,7 @@ import weakref
 import pytest
 
 from runtime.graphs import collector_paused
+from tests.runtime.helpers_gc import eager_collector
 
 
 class _Node:
@@ -16,15 +17,10 @@ class _Node:
 
 
 def _dead_cycle_freed_inside(context) -> tuple[bool, bool]:
-    """(freed inside `context`, freed after a collection) of a dead cycle made inside it, with the collector at
-    its most eager: thresholds of 1, and the process's older objects frozen out of its view (the collection after
-    the freeze resets the count of long-lived objects, which else holds off full collections for ~1/4 of them)."""
+    """(freed inside `context`, freed after a collection) of a dead cycle made inside it, under the most eager
+    collector."""
     freed = []
-    threshold = gc.get_threshold()
-    gc.freeze()
-    gc.collect()
-    gc.set_threshold(1, 1, 1)
-    try:
+    with eager_collector():
         with context:
             node = _Node()
             node.self = node
@@ -33,10 +29,7 @@ def _dead_cycle_freed_inside(context) -> tuple[bool, bool]:
             [[] for _ in range(1000)]
             inside = bool(freed)
         gc.collect()
-        return inside, bool(freed)
-    finally:
-        gc.set_threshold(*threshold)
-        gc.unfreeze()
+    return inside, bool(freed)
 
 
 def test_no_dead_cycle_is_freed_inside_and_the_collector_frees_it_after():
