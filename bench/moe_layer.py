@@ -57,7 +57,9 @@ CUPY_CLASSES = {cls.FORMAT: cls for cls in registry_classes("CUPY")}
 TRITON_CLASSES = {cls.FORMAT: cls for cls in registry_classes("TRITON")}
 CLASSES = dict(CUPY_CLASSES)
 # vLLM's Triton fused MoE on an H200, uniform routing, microseconds, same timing method
-# (../shared/research/peer_vllm_triton_h200.md, measured 2026-12-01): R_peer is read against these.
+# (../shared/research/peer_vllm_triton_h200.md, measured 2026-12-01): R_peer is read against these, on that GPU
+# type only (another GPU's time against an H200's is no ratio of the kernels).
+VLLM_GPU = "H200"
 VLLM_TRITON_US = {
     ("Q", "bf16"): (57, 160, 335, 371, 563, 1690),
     ("Q", "fp8_block_scales"): (57, 120, 206, 249, 537, 1680),
@@ -392,10 +394,18 @@ def active_experts(shape, tokens, routing, ids):
     return float(ids.unique().numel())
 
 
-def vllm_us(shape, fmt, tokens, routing):
-    """The research note's vLLM Triton time of the cell (uniform routing only), or None."""
+def tile_fill(ids, experts, bm):
+    """Routed rows over the rows the grouped GEMMs multiply: each expert's rows in tiles of `bm`, its last tile
+    padded, so at a few tiles an expert a good part of the tensor work is padding."""
+    rows = torch.bincount(ids.flatten(), minlength=experts)
+    return rows.sum().item() / (torch.div(rows + bm - 1, bm, rounding_mode="floor").sum().item() * bm)
+
+
+def vllm_us(shape, fmt, tokens, routing, gpu):
+    """The research note's vLLM Triton time of the cell (uniform routing, on the note's GPU type `VLLM_GPU`), or
+    None."""
     row = VLLM_TRITON_US.get((shape, fmt))
-    if row is None or routing != "uniform" or tokens not in TOKENS:
+    if row is None or routing != "uniform" or tokens not in TOKENS or VLLM_GPU not in gpu:
         return None
     return float(row[TOKENS.index(tokens)])
 
@@ -476,7 +486,7 @@ def triton_sweep(args, result):
                         torch.cuda.synchronize()
                     flops = 2 * t * k * 3 * h * i
                     rows.append({"shape": shape, "format": fmt, "tokens": t, "path": path, "tile": cfg, "us": us,
-                                 "vllm_us": vllm_us(shape, fmt, t, "uniform")})
+                                 "vllm_us": vllm_us(shape, fmt, t, "uniform", result["gpu"])})
                     vl = rows[-1]["vllm_us"]
                     log(f"tsweep {shape} {fmt:16s} T={t:5d} {path:10s} {cfg}: "
                         f"{'-' if us is None else f'{us:.1f} us {flops / us / 1e6:.0f} TFLOP/s'}"
@@ -718,7 +728,7 @@ def run(args):
                         peers = {n: v for n, v in peer_cache.get((shape, t, r), {}).items()
                                  if n != "fp8_rowwise_pipeline" or fmt in FP8_PEAK_FORMATS}
                         best = min(peers.items(), key=lambda kv: kv[1]) if peers else (None, None)
-                        vl = vllm_us(shape, fmt, t, r)
+                        vl = vllm_us(shape, fmt, t, r, result["gpu"])
                         cell = {"shape": shape, "format": fmt, "tokens": t, "routing": r, "ours_us": ours,
                                 "ours_torch_router_us": ours_torch_router, "replay_matches_eager": replay_ok,
                                 "path": path, "tile": tile, "gemm_kernels": gemms, "active_experts": e_act,
@@ -727,6 +737,7 @@ def run(args):
                                 "best_peer": best[0], "best_peer_us": best[1],
                                 "r_peer": (best[1] / ours) if best[1] else None,
                                 "impl": mods[0].IMPL_ID, "vllm_us": vl, "r_peer_vllm": vl / ours if vl else None,
+                                "tile_fill": tile_fill(router.fused(x)[0], e, tile[0][0]) if path == "triton" else None,
                                 "tflops": flops / (ours * 1e-6) / 1e12, "tb_per_s": w_bytes / (ours * 1e-6) / 1e12}
                         result["cells"].append(cell)
                         log(f"{shape} {fmt:16s} T={t:5d} {r:7s} ours {ours:9.1f} us (torch router {ours_torch_router:.1f})  "
@@ -751,6 +762,11 @@ def _kernels(cell) -> str:
     return f" [{', '.join(names[g] for g in ('gemm1', 'gemm2') if g in names)}]" if names else ""
 
 
+def _fill(cell) -> str:
+    """' fill F' of a cell the grouped GEMMs ran: its routed rows over the rows they multiply (tile_fill), else ''."""
+    return f" fill {cell['tile_fill']:.2f}" if cell.get("tile_fill") else ""
+
+
 def markdown(result):
     c = result["ceilings"]
     lines = [f"GPU {result['gpu']} ({result['sms']} SMs), torch {result['torch']}, commit {result['commit']}, "
@@ -766,7 +782,9 @@ def markdown(result):
         lines.append(f"| {x['shape']} | {x['format']} | {x['routing']} | {x['tokens']} | {x['ours_us']:.1f} | "
                      f"{'yes' if x['replay_matches_eager'] else 'NO'} | {x['ours_torch_router_us']:.1f} | {vl} | {rvl} | "
                      f"{peer} | {x['t_lb_us']:.1f} | {x['r_roof']:.2f} | {rpeer} | {x['tb_per_s']:.2f} | {x['tflops']:.0f} | "
-                     f"{x.get('impl', '')} {x['path']} {x['tile']}{_kernels(x)} |")
+                     f"{x.get('impl', '')} {x['path']} {x['tile']}{_kernels(x)}{_fill(x)} |")
+    if VLLM_GPU not in result["gpu"]:
+        lines += ["", f"No vLLM time or R_peer vs vLLM: the research note's times are an {VLLM_GPU}'s."]
     if result["missing"]:
         lines += ["", "Not measured: " + "; ".join(result["missing"])]
     if result["errors"]:
