@@ -398,7 +398,7 @@ def tile_fill(ids, experts, bm):
     """Routed rows over the rows the grouped GEMMs multiply: each expert's rows in tiles of `bm`, its last tile
     padded, so at a few tiles an expert a good part of the tensor work is padding."""
     rows = torch.bincount(ids.flatten(), minlength=experts)
-    return rows.sum().item() / (torch.div(rows + bm - 1, bm, rounding_mode="floor").sum().item() * bm)
+    return rows.sum().item() / (((rows + bm - 1) // bm).sum().item() * bm)
 
 
 def vllm_us(shape, fmt, tokens, routing, gpu):
@@ -635,7 +635,7 @@ def run(args):
             for r in routings:
                 with torch.no_grad():
                     ids, _ = routers[r](x)
-                inputs[t, r] = (x, active_experts(shape, t, r, ids))
+                inputs[t, r] = (x, active_experts(shape, t, r, ids), ids)
         for fmt in formats:
             if fmt != "bf16" and shape == "tiny":
                 continue
@@ -664,7 +664,7 @@ def run(args):
                         if time.time() > deadline:
                             result["missing"].append(f"{shape} {fmt} T={t} {r}: time budget spent")
                             continue
-                        x, e_act = inputs[t, r]
+                        x, e_act, ids = inputs[t, r]
                         router = routers[r]
                         # --- peers, once per (shape, T, routing) on the bf16 weights; fp8 rowwise on fp8 ---
                         if fmt == "bf16":
@@ -737,7 +737,7 @@ def run(args):
                                 "best_peer": best[0], "best_peer_us": best[1],
                                 "r_peer": (best[1] / ours) if best[1] else None,
                                 "impl": mods[0].IMPL_ID, "vllm_us": vl, "r_peer_vllm": vl / ours if vl else None,
-                                "tile_fill": tile_fill(router.fused(x)[0], e, tile[0][0]) if path == "triton" else None,
+                                "tile_fill": tile_fill(ids, e, tile[0][0]) if path == "triton" else None,
                                 "tflops": flops / (ours * 1e-6) / 1e12, "tb_per_s": w_bytes / (ours * 1e-6) / 1e12}
                         result["cells"].append(cell)
                         log(f"{shape} {fmt:16s} T={t:5d} {r:7s} ours {ours:9.1f} us (torch router {ours_torch_router:.1f})  "
