@@ -286,8 +286,10 @@ def fill_module(module, gen_seed):
     """Random contents in the module's own layout: valid codes and realistic scales. Filled an expert at a time, so
     the fp32 temporaries of the FP8 codes stay small (D's w13 whole would need 28 GiB: more than an H100 has free
     beside two weight copies)."""
-    g = torch.Generator(device="cuda").manual_seed(gen_seed)
+    g = None
     for name, whole in module.named_buffers():
+        if g is None:   # on the module's own device: the GPU in a run, the CPU in tests
+            g = torch.Generator(device=whole.device).manual_seed(gen_seed)
         for buf in (whole.unbind(0) if whole.dim() > 2 else (whole,)):
             _fill(name, buf, g)
     module.weights_loaded = True
@@ -299,14 +301,14 @@ def _fill(name, buf, g):
         buf.normal_(0, 0.02, generator=g)
     elif buf.dtype == torch.float8_e4m3fn:
         if name.startswith("s"):   # NVFP4 block scales, E4M3, positive
-            buf.copy_(torch.empty(buf.shape, device="cuda").uniform_(0.5, 4, generator=g).to(buf.dtype))
+            buf.copy_(torch.empty(buf.shape, device=buf.device).uniform_(0.5, 4, generator=g).to(buf.dtype))
         else:
-            buf.copy_(torch.empty(buf.shape, device="cuda").normal_(0, 100, generator=g).clamp(-448, 448).to(buf.dtype))
+            buf.copy_(torch.empty(buf.shape, device=buf.device).normal_(0, 100, generator=g).clamp(-448, 448).to(buf.dtype))
     elif buf.dtype == torch.uint8:
         if name.startswith("s"):   # E8M0 scale bytes near 2^-8
-            buf.copy_(torch.randint(115, 124, buf.shape, device="cuda", generator=g).to(torch.uint8))
+            buf.copy_(torch.randint(115, 124, buf.shape, device=buf.device, generator=g).to(torch.uint8))
         else:                      # every byte is two valid E2M1 codes
-            buf.copy_(torch.randint(0, 256, buf.shape, device="cuda", generator=g).to(torch.uint8))
+            buf.copy_(torch.randint(0, 256, buf.shape, device=buf.device, generator=g).to(torch.uint8))
     elif buf.dtype == torch.float32:
         buf.uniform_(1e-4, 3e-4, generator=g)
 
@@ -762,7 +764,7 @@ def _kernels(cell) -> str:
     return f" [{', '.join(names[g] for g in ('gemm1', 'gemm2') if g in names)}]" if names else ""
 
 
-def _fill(cell) -> str:
+def _fill_note(cell) -> str:
     """' fill F' of a cell the grouped GEMMs ran: its routed rows over the rows they multiply (tile_fill), else ''."""
     return f" fill {cell['tile_fill']:.2f}" if cell.get("tile_fill") else ""
 
@@ -782,7 +784,7 @@ def markdown(result):
         lines.append(f"| {x['shape']} | {x['format']} | {x['routing']} | {x['tokens']} | {x['ours_us']:.1f} | "
                      f"{'yes' if x['replay_matches_eager'] else 'NO'} | {x['ours_torch_router_us']:.1f} | {vl} | {rvl} | "
                      f"{peer} | {x['t_lb_us']:.1f} | {x['r_roof']:.2f} | {rpeer} | {x['tb_per_s']:.2f} | {x['tflops']:.0f} | "
-                     f"{x.get('impl', '')} {x['path']} {x['tile']}{_kernels(x)}{_fill(x)} |")
+                     f"{x.get('impl', '')} {x['path']} {x['tile']}{_kernels(x)}{_fill_note(x)} |")
     if VLLM_GPU not in result["gpu"]:
         lines += ["", f"No vLLM time or R_peer vs vLLM: the research note's times are an {VLLM_GPU}'s."]
     if result["missing"]:

@@ -130,3 +130,23 @@ def test_no_production_module_exceeds_400_lines():
     # Keep modules small with one role (COMMON quality bar; issue 11 "no module over ~400 lines").
     over = {name: n for name, path in production_files().items() if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert over == {}, f"modules over {MAX_LINES} lines: " + ", ".join(f"{m} ({n})" for m, n in sorted(over.items()))
+
+
+def top_level_redefinitions(source: str) -> list[str]:
+    """Names a module's top level defines twice by `def` or `class`: the later silently replaces the earlier."""
+    seen, twice = set(), []
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name in seen:
+                twice.append(f"{node.name} (line {node.lineno})")
+            seen.add(node.name)
+    return twice
+
+
+def test_no_module_defines_a_top_level_function_twice():
+    # bench/moe_layer.py once got a second `_fill` (a table helper) that replaced the weight filler: every cell
+    # failed with a TypeError on the GPU machine while every CPU test passed.
+    assert top_level_redefinitions("def a(): pass\nclass b: pass\ndef a(x): pass\n") == ["a (line 3)"]
+    files = dict(production_files(), **{f"bench.{p.stem}": p for p in sorted((ROOT / "bench").glob("*.py"))})
+    found = {name: twice for name, path in files.items() if (twice := top_level_redefinitions(path.read_text(encoding="utf-8")))}
+    assert found == {}, f"defined twice at the top level: {found}"
