@@ -14,8 +14,10 @@ Work items are (token tile, weight block) pairs. gemm2 is persistent: a program 
 num_programs-th item, its load warp running on into the next item while the MMA warpgroups store this one. gemm1
 keeps a program per item (see launch_gemm1). Tiles: 128 token rows (two MMA warpgroups) or 64 (one); gemm1's block
 is 128 channels (gate and up interleaved by 8: 256 w13 rows), the 1x128 quantization group of its FP8 output;
-gemm2's 128 or 256 output columns. Same products in the same K order, promotion, activation and quantization as
-triton_grouped's FP8 path.
+gemm2's 128 or 256 output columns. A warpgroup whose 64 rows of a tile are all padding (an expert's last tile) lets
+each K step's slot go without a product, so the other warpgroup has the tensor cores alone. Same products in the
+same K order, promotion, activation and quantization as triton_grouped's FP8 path; the epilogues are in
+gluon_fp8_epilogue.py.
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.runtime.jit import constexpr_function
 
-from .triton_grouped import _activate, _fp8_codes, _fp8_scale, _gate_up, _program, _tile
+from .gluon_fp8_epilogue import _act, _quant_store, _store
+from .triton_grouped import _fp8_scale, _program, _tile
 
 BK = gl.constexpr(128)   # a K step is one scale block
 NW = gl.constexpr(64)    # columns of one product: four products cover 256 weight rows, two 128
@@ -168,6 +171,26 @@ def _k_loop(x_smem, w_smem, full, empty, i0, ROW0: gl.constexpr, xs_ptrs, p00, p
 
 
 @gluon.jit
+def _pass(full, empty, i0, steps, STAGES: gl.constexpr):
+    """A warpgroup whose 64 rows of the tile are all padding (an expert's last tile, its rows in the first half):
+    each K step's slot let go once it came, no product, so the other warpgroup has the tensor cores alone."""
+    for k in range(steps):
+        slot = (i0 + k) % STAGES
+        mbarrier.wait(full.index(slot), ((i0 + k) // STAGES) & 1)
+        mbarrier.arrive(empty.index(slot))
+
+
+@gluon.jit
+def _live(ROW0: gl.constexpr, item, num_tiles, num_n, GROUP_M: gl.constexpr, tile_expert_ptr, tile_row_ptr, offs_ptr):
+    """Whether rows ROW0.. of the item's token tile hold a routed row (the first warpgroup's always do)."""
+    if ROW0 == 0:
+        return True
+    pid_m, _ = _program(item, num_tiles, num_n, GROUP_M)
+    e = gl.load(tile_expert_ptr + pid_m)
+    return gl.load(tile_row_ptr + pid_m) + ROW0 < gl.load(offs_ptr + e + 1)
+
+
+@gluon.jit
 def _rings(BM: gl.constexpr, w_desc, STAGES: gl.constexpr, FULL_ARRIVALS: gl.constexpr):
     """The rings of [BM, 128] token and weight blocks, with barriers: a slot is full after FULL_ARRIVALS arrivals
     and its bytes, free once each MMA warpgroup (one each 64 token rows) let it go."""
@@ -181,45 +204,6 @@ def _rings(BM: gl.constexpr, w_desc, STAGES: gl.constexpr, FULL_ARRIVALS: gl.con
         mbarrier.init(empty.index(s), count=BM // 64)
     fence_async_shared()
     return x_smem, w_smem, full, empty
-
-
-@gluon.jit
-def _act(acc, bias_ptr, HAS_BIAS: gl.constexpr, GATED: gl.constexpr, ACT: gl.constexpr, alpha, limit):
-    """The intermediate [64, C] of an accumulator part (C channels: 2C w13 rows interleaved by 8 when gated,
-    layouts.interleave_gate_up), bias (its w13 rows at bias_ptr) added, rounded to bf16 as every path does."""
-    if HAS_BIAS:
-        col = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
-        acc += gl.load(bias_ptr + col)[None, :]
-    if GATED:
-        g, u = _gate_up(acc, 64, acc.shape[1] // 2)
-    else:
-        g = acc
-        u = acc
-    return _activate(g, u, ACT, alpha, limit).to(gl.bfloat16).to(gl.float32)
-
-
-@constexpr_function
-def _row_layout(columns, vec, warps):
-    """Threads along a row of `columns` elements `vec` at a time, the rest of the warp and the warps down the rows."""
-    across = min(columns // vec, 32)
-    return gl.BlockedLayout([1, vec], [32 // across, across], [warps, 1], [1, 0])
-
-
-@gluon.jit
-def _store(out_ptr, vals, rows, rmask, col0, width, VEC: gl.constexpr):
-    """vals [64, C] into out [*, width] at `rows` (masked: rmask, columns past width), columns col0.."""
-    layout: gl.constexpr = _row_layout(vals.shape[1], VEC, gl.num_warps())
-    v = gl.convert_layout(vals, layout)
-    orows = gl.convert_layout(rows, gl.SliceLayout(1, layout)).to(gl.int64)
-    omask = gl.convert_layout(rmask, gl.SliceLayout(1, layout))
-    cols = col0 + gl.arange(0, v.shape[1], layout=gl.SliceLayout(0, layout))
-    gl.store(out_ptr + orows[:, None] * width + cols[None, :], v, mask=omask[:, None] & (cols < width)[None, :])
-
-
-@gluon.jit
-def _quant_store(h_ptr, hf, scale, rows, rmask, col0, INTER):
-    """hf / scale per row as E4M3 codes into h (triton_grouped._fp8_codes, as its gemm1 quantizes)."""
-    _store(h_ptr, _fp8_codes(hf, scale[:, None]), rows, rmask, col0, INTER, 16)
 
 
 @gluon.jit
@@ -239,34 +223,37 @@ def _gemm1_rows(ROW0: gl.constexpr, x_smem, w_smem, full, empty, xs_ptr, ws_ptr,
     first, stride, end, num_tiles = _work(num_tiles_ptr, ib_count)
     i0 = 0
     for item in range(first, end, stride):
-        pid_n, e, rows, rmask = _item_rows(item, num_tiles, ib_count, GROUP_M, ROW0, tile_expert_ptr, tile_row_ptr,
-                                           offs_ptr, acc_layout)
-        tok = (gl.load(sorted_pair_ptr + rows) // TOP_K).to(gl.int64)
-        # s13 [n, planes, I/128, H/128]: the block's 128 channels are one scale block of each plane
-        gate = ws_ptr + ((e * (2 if GATED else 1)) * ib_count + pid_n) * kb_count
-        up = gate + ib_count * kb_count if GATED else gate
-        acc0, acc1, acc2, acc3 = _k_loop(x_smem, w_smem, full, empty, i0, ROW0, xs_ptr + tok * kb_count, gate, up,
-                                         gate, up, plane, kb_count, N // NW, STAGES, True)
+        if _live(ROW0, item, num_tiles, ib_count, GROUP_M, tile_expert_ptr, tile_row_ptr, offs_ptr):
+            pid_n, e, rows, rmask = _item_rows(item, num_tiles, ib_count, GROUP_M, ROW0, tile_expert_ptr, tile_row_ptr,
+                                               offs_ptr, acc_layout)
+            tok = (gl.load(sorted_pair_ptr + rows) // TOP_K).to(gl.int64)
+            # s13 [n, planes, I/128, H/128]: the block's 128 channels are one scale block of each plane
+            gate = ws_ptr + ((e * (2 if GATED else 1)) * ib_count + pid_n) * kb_count
+            up = gate + ib_count * kb_count if GATED else gate
+            acc0, acc1, acc2, acc3 = _k_loop(x_smem, w_smem, full, empty, i0, ROW0, xs_ptr + tok * kb_count, gate, up,
+                                             gate, up, plane, kb_count, N // NW, STAGES, True)
+            # the intermediate, then its quantization per row of the block's 128 channels
+            b = bias_ptr + e * n1 + pid_n * N
+            h0 = _act(acc0, b, HAS_BIAS, GATED, ACT, alpha, limit)
+            h1 = _act(acc1, b + NW, HAS_BIAS, GATED, ACT, alpha, limit)
+            amax = gl.maximum(gl.max(gl.abs(h0), axis=1), gl.max(gl.abs(h1), axis=1))
+            if N // NW == 4:
+                h2 = _act(acc2, b + 2 * NW, HAS_BIAS, GATED, ACT, alpha, limit)
+                h3 = _act(acc3, b + 3 * NW, HAS_BIAS, GATED, ACT, alpha, limit)
+                amax = gl.maximum(amax, gl.maximum(gl.max(gl.abs(h2), axis=1), gl.max(gl.abs(h3), axis=1)))
+            scale = _fp8_scale(amax)
+            C: gl.constexpr = h0.shape[1]
+            col0 = pid_n * 128
+            _quant_store(h_ptr, h0, scale, rows, rmask, col0, INTER)
+            _quant_store(h_ptr, h1, scale, rows, rmask, col0 + C, INTER)
+            if N // NW == 4:
+                _quant_store(h_ptr, h2, scale, rows, rmask, col0 + 2 * C, INTER)
+                _quant_store(h_ptr, h3, scale, rows, rmask, col0 + 3 * C, INTER)
+            gl.store(hs_ptr + rows.to(gl.int64) * ib_count + pid_n, gl.convert_layout(scale, rows.type.layout),
+                     mask=rmask)
+        else:
+            _pass(full, empty, i0, kb_count, STAGES)
         i0 += kb_count
-        # the intermediate, then its quantization per row of the block's 128 channels
-        b = bias_ptr + e * n1 + pid_n * N
-        h0 = _act(acc0, b, HAS_BIAS, GATED, ACT, alpha, limit)
-        h1 = _act(acc1, b + NW, HAS_BIAS, GATED, ACT, alpha, limit)
-        amax = gl.maximum(gl.max(gl.abs(h0), axis=1), gl.max(gl.abs(h1), axis=1))
-        if N // NW == 4:
-            h2 = _act(acc2, b + 2 * NW, HAS_BIAS, GATED, ACT, alpha, limit)
-            h3 = _act(acc3, b + 3 * NW, HAS_BIAS, GATED, ACT, alpha, limit)
-            amax = gl.maximum(amax, gl.maximum(gl.max(gl.abs(h2), axis=1), gl.max(gl.abs(h3), axis=1)))
-        scale = _fp8_scale(amax)
-        C: gl.constexpr = h0.shape[1]
-        col0 = pid_n * 128
-        _quant_store(h_ptr, h0, scale, rows, rmask, col0, INTER)
-        _quant_store(h_ptr, h1, scale, rows, rmask, col0 + C, INTER)
-        if N // NW == 4:
-            _quant_store(h_ptr, h2, scale, rows, rmask, col0 + 2 * C, INTER)
-            _quant_store(h_ptr, h3, scale, rows, rmask, col0 + 3 * C, INTER)
-        gl.store(hs_ptr + rows.to(gl.int64) * ib_count + pid_n, gl.convert_layout(scale, rows.type.layout),
-                 mask=rmask)
 
 
 @gluon.jit
@@ -311,21 +298,25 @@ def _gemm2_rows(ROW0: gl.constexpr, x_smem, w_smem, full, empty, hs_ptr, ws_ptr,
     first, stride, end, num_tiles = _work(num_tiles_ptr, num_n)
     i0 = 0
     for item in range(first, end, stride):
-        pid_n, e, rows, rmask = _item_rows(item, num_tiles, num_n, GROUP_M, ROW0, tile_expert_ptr, tile_row_ptr,
-                                           offs_ptr, acc_layout)
-        # s2 [n, H/128, I/128]: each 128 columns of the block are one scale block
-        blk0 = ws_ptr + (e * (H // BK) + (pid_n * BN) // BK) * kb_count
-        blk1 = ws_ptr + (e * (H // BK) + gl.minimum((pid_n * BN) // BK + 1, H // BK - 1)) * kb_count \
-            if BN == 256 else blk0
-        acc0, acc1, acc2, acc3 = _k_loop(x_smem, w_smem, full, empty, i0, ROW0, hs_ptr + rows.to(gl.int64) * kb_count,
-                                         blk0, blk0, blk1, blk1, plane, kb_count, BN // NW, STAGES, False)
+        if _live(ROW0, item, num_tiles, num_n, GROUP_M, tile_expert_ptr, tile_row_ptr, offs_ptr):
+            pid_n, e, rows, rmask = _item_rows(item, num_tiles, num_n, GROUP_M, ROW0, tile_expert_ptr, tile_row_ptr,
+                                               offs_ptr, acc_layout)
+            # s2 [n, H/128, I/128]: each 128 columns of the block are one scale block
+            blk0 = ws_ptr + (e * (H // BK) + (pid_n * BN) // BK) * kb_count
+            blk1 = ws_ptr + (e * (H // BK) + gl.minimum((pid_n * BN) // BK + 1, H // BK - 1)) * kb_count \
+                if BN == 256 else blk0
+            hs_rows = hs_ptr + rows.to(gl.int64) * kb_count
+            acc0, acc1, acc2, acc3 = _k_loop(x_smem, w_smem, full, empty, i0, ROW0, hs_rows, blk0, blk0, blk1, blk1,
+                                             plane, kb_count, BN // NW, STAGES, False)
+            col0 = pid_n * BN
+            _store(y_ptr, acc0.to(gl.bfloat16), rows, rmask, col0, H, 8)
+            _store(y_ptr, acc1.to(gl.bfloat16), rows, rmask, col0 + NW, H, 8)
+            if BN // NW == 4:
+                _store(y_ptr, acc2.to(gl.bfloat16), rows, rmask, col0 + 2 * NW, H, 8)
+                _store(y_ptr, acc3.to(gl.bfloat16), rows, rmask, col0 + 3 * NW, H, 8)
+        else:
+            _pass(full, empty, i0, kb_count, STAGES)
         i0 += kb_count
-        col0 = pid_n * BN
-        _store(y_ptr, acc0.to(gl.bfloat16), rows, rmask, col0, H, 8)
-        _store(y_ptr, acc1.to(gl.bfloat16), rows, rmask, col0 + NW, H, 8)
-        if BN // NW == 4:
-            _store(y_ptr, acc2.to(gl.bfloat16), rows, rmask, col0 + 2 * NW, H, 8)
-            _store(y_ptr, acc3.to(gl.bfloat16), rows, rmask, col0 + 3 * NW, H, 8)
 
 
 @gluon.jit
