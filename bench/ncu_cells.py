@@ -5,8 +5,8 @@ Run on the GPU machine from the repo root: `python3 bench/ncu_cells.py --cells Q
 TRITON classes) runs in a process of its own under `ncu --profile-from-start off`: two warm-up calls, then one
 call of the op as moe_layer times it (the router a build runs, then the experts, uniform routing), so the report
 holds exactly that call's kernels. `DIR/ncu_cells.md` gets one row per kernel: time, DRAM bytes and bandwidth, SM
-and memory throughput (% of peak), achieved occupancy, registers and the two largest stall reasons (cycles a
-warp waits per issued instruction); `DIR/<cell>.ncu-rep` keeps each report for `ncu -i`.
+and memory throughput, the wgmma pipe's and L2's (% of peak), achieved occupancy, registers and the two largest
+stall reasons (cycles a warp waits per issued instruction); `DIR/<cell>.ncu-rep` keeps each report for `ncu -i`.
 """
 from __future__ import annotations
 
@@ -24,7 +24,12 @@ METRICS = ["gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.
            "sm__throughput.avg.pct_of_peak_sustained_elapsed",
            "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",
            "sm__warps_active.avg.pct_of_peak_sustained_active", "launch__registers_per_thread",
-           "launch__grid_size", "launch__block_size", "lts__t_sector_hit_rate.pct"]
+           "launch__grid_size", "launch__block_size", "lts__t_sector_hit_rate.pct",
+           "lts__throughput.avg.pct_of_peak_sustained_elapsed"]
+# whether a GEMM keeps its tensor pipe (wgmma) busy: a Hopper metric, so a report without it still gets its row
+GMMA = "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"
+HEADER = ["| cell | kernel | launch | µs | DRAM | SM / memory % | wgmma / L2 % | occupancy % | L2 hit % | largest stalls |",
+          "|---|---|---|---:|---|---|---|---:|---:|---|"]
 
 
 def one_call(cell: str, impl: str) -> None:
@@ -52,10 +57,13 @@ def one_call(cell: str, impl: str) -> None:
 
 def profile(cell: str, impl: str, out: Path) -> Path:
     report = out / cell.replace(":", "_")
-    subprocess.run(["ncu", "--clock-control", "none", "--profile-from-start", "off", "-f", "-o", str(report),
-                    "--metrics", ",".join(METRICS + ["regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio"]),
-                    sys.executable, __file__, "--one", cell, "--impl", impl], check=True)
-    return report.with_suffix(".ncu-rep")
+    stalls = "regex:smsp__average_warps_issue_stalled_.*_per_issue_active.ratio"
+    for metrics in (METRICS + [GMMA, stalls], METRICS + [stalls]):   # without GMMA where this ncu lacks it
+        run = subprocess.run(["ncu", "--clock-control", "none", "--profile-from-start", "off", "-f", "-o", str(report),
+                              "--metrics", ",".join(metrics), sys.executable, __file__, "--one", cell, "--impl", impl])
+        if run.returncode == 0:
+            return report.with_suffix(".ncu-rep")
+    raise subprocess.CalledProcessError(run.returncode, "ncu")
 
 
 def kernels(report: Path) -> list[dict]:
@@ -79,6 +87,10 @@ def kernels(report: Path) -> list[dict]:
     return out
 
 
+def _pct(value) -> str:
+    return f"{value:.0f}" if isinstance(value, float) else "-"
+
+
 def summary(cell: str, found: list[dict]) -> list[str]:
     lines = []
     for kern in found:
@@ -93,11 +105,13 @@ def summary(cell: str, found: list[dict]) -> list[str]:
                      f"{dram / 1e6:.1f} MB, {dram / us / 1e6:.2f} TB/s | "
                      f"{kern['sm__throughput.avg.pct_of_peak_sustained_elapsed']:.0f} / "
                      f"{kern['gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed']:.0f} | "
+                     f"{_pct(kern.get(GMMA))} / "
+                     f"{kern['lts__throughput.avg.pct_of_peak_sustained_elapsed']:.0f} | "
                      f"{kern['sm__warps_active.avg.pct_of_peak_sustained_active']:.0f} | "
                      f"{kern['lts__t_sector_hit_rate.pct']:.0f} | "
                      + ", ".join(f"{name} {v:.2f}" for v, name in stalls) + " |")
     total = sum(k["gpu__time_duration.sum"] for k in found) / 1e3
-    lines.append(f"| {cell} | all {len(found)} kernels | | {total:.1f} | | | | | |")
+    lines.append(f"| {cell} | all {len(found)} kernels | | {total:.1f} | | | | | | |")
     return lines
 
 
@@ -113,8 +127,7 @@ def main() -> None:
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    table = ["| cell | kernel | launch | µs | DRAM | SM / memory % | occupancy % | L2 hit % | largest stalls |",
-             "|---|---|---|---:|---|---|---:|---:|---|"]
+    table = list(HEADER)
     for cell in filter(None, args.cells.split(",")):
         try:
             table += summary(cell, kernels(profile(cell, args.impl, out)))
