@@ -286,10 +286,9 @@ def fill_module(module, gen_seed):
     """Random contents in the module's own layout: valid codes and realistic scales. Filled an expert at a time, so
     the fp32 temporaries of the FP8 codes stay small (D's w13 whole would need 28 GiB: more than an H100 has free
     beside two weight copies)."""
-    g = None
+    # on the module's own device: the GPU in a run, the CPU in tests
+    g = torch.Generator(device=next(module.buffers()).device).manual_seed(gen_seed)
     for name, whole in module.named_buffers():
-        if g is None:   # on the module's own device: the GPU in a run, the CPU in tests
-            g = torch.Generator(device=whole.device).manual_seed(gen_seed)
         for buf in (whole.unbind(0) if whole.dim() > 2 else (whole,)):
             _fill(name, buf, g)
     module.weights_loaded = True
@@ -301,9 +300,9 @@ def _fill(name, buf, g):
         buf.normal_(0, 0.02, generator=g)
     elif buf.dtype == torch.float8_e4m3fn:
         if name.startswith("s"):   # NVFP4 block scales, E4M3, positive
-            buf.copy_(torch.empty(buf.shape, device=buf.device).uniform_(0.5, 4, generator=g).to(buf.dtype))
+            buf.copy_(torch.empty_like(buf, dtype=torch.float32).uniform_(0.5, 4, generator=g).to(buf.dtype))
         else:
-            buf.copy_(torch.empty(buf.shape, device=buf.device).normal_(0, 100, generator=g).clamp(-448, 448).to(buf.dtype))
+            buf.copy_(torch.empty_like(buf, dtype=torch.float32).normal_(0, 100, generator=g).clamp(-448, 448).to(buf.dtype))
     elif buf.dtype == torch.uint8:
         if name.startswith("s"):   # E8M0 scale bytes near 2^-8
             buf.copy_(torch.randint(115, 124, buf.shape, device=buf.device, generator=g).to(torch.uint8))
